@@ -1,0 +1,79 @@
+# disttrain — every target composes commands; the logic lives in train.py and disttrain/.
+# `make help` lists the targets and the variables they take.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+ACCELERATE  := $(VENV)/bin/accelerate
+# CPU build by default (small, fast to install). GPU machines: TORCH_SPEC=torch (or torch==X.Y.Z) and,
+# if needed, TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS      ?= test
+
+RECIPE      ?= recipes/tiny/sft.yaml
+STRATEGY    ?= ddp
+GPUS        ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
+NODES       ?= 1
+NODE_RANK   ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+ARGS        ?=
+PYTEST_ARGS ?=
+TINY_MODEL  := artifacts/tiny-llama
+
+LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
+	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
+	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
+
+.PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
+	test clean
+
+help: ## list targets and variables
+	@echo "disttrain — make <target> [VAR=value ...]"
+	@echo
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
+	@echo
+	@echo "Variables: RECIPE=$(RECIPE)  GPUS=$(GPUS) (processes per node; CPU processes without GPUs)"
+	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
+	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
+
+setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
+
+$(TINY_MODEL)/config.json:
+	$(PY) -m disttrain.tiny model --out $(TINY_MODEL)
+
+train: tiny ## train RECIPE on 1 process (GPU if present, else CPU): the embedded default
+	$(ACCELERATE) launch --config_file accelerate_configs/single_gpu.yaml train.py --recipe $(RECIPE) $(ARGS)
+
+train-ddp: tiny ## DDP on GPUS processes per node (NODES=… for several nodes)
+	$(call LAUNCH,ddp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-fsdp: tiny ## FSDP2 full shard
+	$(call LAUNCH,fsdp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-zero1: tiny ## DeepSpeed ZeRO-1
+	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)
+
+train-zero2: tiny ## DeepSpeed ZeRO-2
+	$(call LAUNCH,zero2) train.py --recipe $(RECIPE) $(ARGS)
+
+train-zero3: tiny ## DeepSpeed ZeRO-3
+	$(call LAUNCH,zero3) train.py --recipe $(RECIPE) $(ARGS)
+
+train-zero3-offload: tiny ## DeepSpeed ZeRO-3 with optimizer + parameter offload to CPU
+	$(call LAUNCH,zero3_offload) train.py --recipe $(RECIPE) $(ARGS)
+
+test: tiny ## run the test suite (unit tests + real multi-process launches on CPU)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean: ## remove outputs and the tiny model (keeps .venv)
+	rm -rf outputs artifacts bench

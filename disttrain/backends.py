@@ -1,0 +1,72 @@
+"""Build the Accelerator for whatever `accelerate launch --config_file ...` chose, on GPUs or on CPU.
+
+The strategy (DDP, FSDP, DeepSpeed) comes from the launcher's environment, never from the recipe. On a
+machine without an accelerator the same configs run over gloo:
+- DDP / single process: `cpu=True` gives MULTI_CPU (gloo).
+- DeepSpeed: no `cpu` flag (DeepSpeed picks its CPU accelerator itself), but the process group must be
+  told to use gloo, otherwise accelerate sees one process and every rank would read the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from disttrain.config import Recipe
+
+
+def launcher_strategy() -> str:
+    """'deepspeed', 'fsdp', 'ddp' or 'single', as set by `accelerate launch` from the config file."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _wandb_offline_without_key(report_to: list[str]) -> None:
+    """No key configured -> log to local files (`wandb sync` later) instead of failing on a login prompt."""
+    if "wandb" in report_to and not os.environ.get("WANDB_API_KEY"):
+        netrc = os.path.expanduser("~/.netrc")
+        if not (os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()):
+            os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def build_accelerator(recipe: Recipe, timeout_s: int = 1800):
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                                  ProjectConfiguration)
+
+    strategy = launcher_strategy()
+    gpu = has_gpu()
+    report_to = [t for t in recipe.logging.report_to if t != "none"]
+    _wandb_offline_without_key(report_to)
+
+    pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))
+    if not gpu and strategy == "deepspeed":
+        pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
+    kwargs = dict(
+        # The loop fetches each accumulation window up front (to count its target tokens), which makes
+        # accelerate's end-of-dataloader flag fire early; sync on the step counter alone instead.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=recipe.training.grad_accum,
+                                                                sync_with_dataloader=False),
+        mixed_precision=recipe.training.mixed_precision,
+        # The scheduler is stepped once per optimizer step by the loop. accelerate's default would step
+        # it num_processes times per call, silently shortening warmup and decay on many GPUs.
+        step_scheduler_with_optimizer=False,
+        # Same shuffling on every rank from the seed, then each rank takes its own disjoint shard;
+        # set_epoch() reshuffles per epoch and the order is reproducible on resume.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.training.seed),
+        log_with=report_to or None,
+        project_config=ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=f"{recipe.output.dir}/runs"),
+        kwargs_handlers=[pg_kwargs],
+    )
+    if not gpu and strategy != "deepspeed":
+        kwargs["cpu"] = True
+    return Accelerator(**kwargs)

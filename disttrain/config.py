@@ -1,0 +1,191 @@
+"""The recipe: one YAML file that says *what* to train. Config files under accelerate_configs/ say *how*.
+
+`load_recipe(path, overrides)` reads the YAML, applies `key.path=value` overrides from the command line,
+and validates everything with pydantic (unknown keys, wrong types, missing local files) before any
+process group or model exists. Every problem is reported as `<file>: <key>: <what is wrong>`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from disttrain.errors import RecipeError
+
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class _Section(BaseModel):
+    # forbid: a typo such as `trainig.lr` must fail loudly instead of silently using the default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(description="Hub id or local dir passed to from_pretrained")
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    tokenizer_name_or_path: str | None = None
+
+
+class DataSection(_Section):
+    path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
+    format: Literal["alpaca", "chat", "text"]
+    split: str = "train"
+    eval_path: str | None = None
+    eval_split: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    max_seq_len: int = Field(2048, ge=16)
+    packing: bool = False
+    text_field: str = "text"
+    messages_field: str = "messages"
+    num_proc: int | None = Field(None, ge=1)
+    shuffle: bool = True
+
+
+class TrainingSection(_Section):
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per device per forward")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-5, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    warmup_steps: int = Field(0, ge=0, description="Wins over warmup_ratio when > 0")
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    seed: int = 42
+    eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
+
+
+class LoraSection(_Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    modules_to_save: list[str] | None = None
+    merge_on_export: bool = False
+
+
+class LoggingSection(_Section):
+    report_to: list[Literal["wandb", "tensorboard", "none"]] = ["none"]
+    every_steps: int = Field(10, ge=1)
+    project: str = "disttrain"
+    run_name: str | None = None
+
+
+class OutputSection(_Section):
+    dir: str
+    save_final_model: bool = True
+
+
+class Recipe(_Section):
+    model: ModelSection
+    data: DataSection
+    training: TrainingSection = TrainingSection()
+    lora: LoraSection | None = None
+    logging: LoggingSection = LoggingSection()
+    output: OutputSection
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> Recipe:
+        if self.data.eval_fraction and (self.data.eval_path or self.data.eval_split):
+            raise ValueError("data: set either eval_fraction or eval_path/eval_split, not both")
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`training.lr=1e-4` -> ("training.lr", 1e-4). Values are YAML, so lists and null work too."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {text!r}: expected key.path=value, e.g. training.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise RecipeError(f"{path}:{line}: invalid YAML: {exc.problem}") from None
+    if not isinstance(tree, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping with sections model/data/training/output")
+    return tree
+
+
+def _describe(error: dict, overridden: set[str]) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    where = " (set on the command line)" if key in overridden else ""
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key; check the spelling against recipes/README.md"
+    elif "input" in error and error["type"] != "missing":
+        message += f" (got {error['input']!r})"
+    return f"{key}{where}: {message}"
+
+
+def looks_local(path: str) -> bool:
+    return path.endswith(LOCAL_DATA_SUFFIXES) or os.path.sep in path and os.path.exists(path)
+
+
+def _check_files(recipe: Recipe, source: Path) -> None:
+    for key, value in (("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)):
+        if value and value.endswith(LOCAL_DATA_SUFFIXES) and not Path(value).is_file():
+            raise RecipeError(f"{source}: {key}: data file {value!r} not found (paths are relative to the "
+                              f"directory you run from: {os.getcwd()})")
+    local_model = recipe.model.name_or_path.startswith((".", "/")) or Path(recipe.model.name_or_path).exists()
+    if local_model and not (Path(recipe.model.name_or_path) / "config.json").is_file():
+        raise RecipeError(f"{source}: model.name_or_path: {recipe.model.name_or_path!r} has no config.json "
+                          "(for the tiny default model run `make tiny` first)")
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    source = Path(path)
+    tree = _read_yaml(source)
+    overridden = set()
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+        overridden.add(key)
+    try:
+        recipe = Recipe.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e, overridden) for e in exc.errors())
+        raise RecipeError(f"{source}: {problems}") from None
+    _check_files(recipe, source)
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain dict for trackers and the run's saved copy of its recipe."""
+    return recipe.model_dump(mode="json")

@@ -1,0 +1,161 @@
+"""The training loop: one optimizer step = `grad_accum` micro-batches on every rank.
+
+Loss normalisation. The gradient of one optimizer step is the gradient of
+    sum(token losses over all micro-batches on all ranks) / (target tokens over all of them),
+not the mean of per-micro-batch means, which over-weights short sequences (the 2024 gradient-accumulation
+bug). The loop therefore looks at the whole accumulation window first, all-reduces its target-token
+count, and hands the model `num_items_in_batch` so that, after accelerate divides by grad_accum and DDP /
+FSDP / ZeRO average over ranks, the result is exactly that token-weighted mean.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from itertools import islice
+
+import torch
+
+from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, count_targets
+
+
+@dataclass
+class TrainState:
+    step: int = 0          # optimizer steps done
+    epoch: int = 0
+    tokens_seen: int = 0   # non-padding input tokens, all ranks
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def steps_per_epoch(num_rows: int, micro_batch_size: int, num_processes: int, grad_accum: int) -> int:
+    """Optimizer steps per epoch: accelerate shards full batches across ranks (drop_last), and a trailing
+    window shorter than grad_accum is dropped so every step sees the same number of micro-batches."""
+    return (num_rows // micro_batch_size) // num_processes // grad_accum
+
+
+def _window_denominator(window: list[dict], accelerator) -> torch.Tensor:
+    local = sum(count_targets(b) for b in window).to(accelerator.device, torch.float32)
+    total = accelerator.reduce(local, reduction="sum")
+    # scale so that accelerate's /grad_accum and the strategy's mean over ranks are undone
+    return total.clamp(min=1.0) / (accelerator.num_processes * accelerator.gradient_accumulation_steps)
+
+
+def _forward(model, batch: dict, num_items_in_batch=None):
+    inputs = {k: v for k, v in batch.items() if k != LENGTHS_KEY}
+    return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False)
+
+
+def _grad_norm(accelerator, model, max_norm: float | None):
+    # With max_norm=inf nothing is clipped but the (sharding-aware) total norm is still returned.
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    if norm is None and hasattr(model, "get_global_grad_norm"):  # DeepSpeed clips inside its engine
+        norm = model.get_global_grad_norm()
+    return norm
+
+
+def _as_float(value) -> float:
+    return float(value) if value is not None else float("nan")
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader) -> float:
+    """Token-weighted mean loss over the eval set; duplicated padding samples are dropped by gather_for_metrics."""
+    model.eval()
+    loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    n_tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    for batch in loader:
+        logits = _forward(model, batch).logits.float()
+        labels = batch["labels"][:, 1:]
+        per_token = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+        per_row = torch.stack([per_token.sum(-1), (labels != IGNORE_INDEX).sum(-1).to(per_token.dtype)], dim=-1)
+        per_row = accelerator.gather_for_metrics(per_row)
+        loss_sum += per_row[:, 0].sum()
+        n_tokens += per_row[:, 1].sum()
+    model.train()
+    return float(loss_sum / n_tokens.clamp(min=1))
+
+
+class _Window:
+    """Running sums between two log lines. They stay on the device (no host sync in the step loop) and are
+    gathered across ranks only when a line is written."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        self.sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, targets, tokens
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add_micro(self, loss_sum: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor):
+        self.sums += torch.stack([loss_sum.double(), targets.double(), tokens.double()])
+
+    def summarize(self, accelerator) -> dict:
+        per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, 3)  # one collective per log line
+        rank_loss = per_rank[:, 0] / per_rank[:, 1].clamp(min=1)
+        elapsed = time.perf_counter() - self.started
+        total_tokens = float(per_rank[:, 2].sum())
+        return {
+            "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum().clamp(min=1)),
+            "loss_rank_min": float(rank_loss.min()),
+            "loss_rank_max": float(rank_loss.max()),
+            "step_time_s": elapsed / max(self.steps, 1),
+            "tokens_per_s": total_tokens / elapsed,
+            "target_tokens": int(per_rank[:, 1].sum()),
+            "tokens": int(total_tokens),
+        }
+
+
+def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log, state: TrainState,
+          total_steps: int, log_every: int, progress=None, on_step_end=None) -> TrainState:
+    """Run optimizer steps until total_steps. `log(record, step)` receives every metrics line (on every
+    rank), `progress()` is called once per step, `on_step_end(state)` lets the caller checkpoint."""
+    ga = accelerator.gradient_accumulation_steps
+    window = _Window(accelerator.device)
+    model.train()
+    while state.step < total_steps:
+        train_loader.set_epoch(state.epoch)
+        batches = iter(train_loader)
+        while state.step < total_steps:
+            micro_batches = list(islice(batches, ga))
+            if len(micro_batches) < ga:
+                break  # end of epoch; a partial window is dropped (see steps_per_epoch)
+            denominator = _window_denominator(micro_batches, accelerator)
+            for batch in micro_batches:
+                with accelerator.accumulate(model):
+                    loss = _forward(model, batch, num_items_in_batch=denominator).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window.add_micro(loss.detach() * denominator, count_targets(batch), batch[LENGTHS_KEY].sum())
+            scheduler.step()
+            state.step += 1
+            window.steps += 1
+            if progress is not None:
+                progress()
+            last = state.step >= total_steps
+            if state.step % log_every == 0 or last:
+                summary = window.summarize(accelerator)
+                state.tokens_seen += summary["tokens"]
+                log({**summary, "lr": scheduler.get_last_lr()[0], "grad_norm": _as_float(grad_norm),
+                     "epoch": state.epoch, "tokens_seen": state.tokens_seen}, state.step)
+                window.reset()
+            if eval_loader is not None and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
+                log({"eval_loss": evaluate(accelerator, model, eval_loader)}, state.step)
+            if on_step_end is not None:
+                on_step_end(state)
+        else:
+            break
+        state.epoch += 1
+    return state

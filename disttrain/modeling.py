@@ -1,0 +1,109 @@
+"""Model and tokenizer in, HF model dir out: loading (dtype, attention, checkpointing, LoRA) and export."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from disttrain.config import LoraSection, ModelSection
+from disttrain.errors import DisttrainError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def load_tokenizer(spec: ModelSection):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_name_or_path or spec.name_or_path,
+                                              revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding positions never reach the loss (labels = -100), so reusing EOS is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise DisttrainError(f"tokenizer of {spec.name_or_path!r} has no eos_token; set one in its "
+                             "tokenizer_config.json (the model must learn where answers end)")
+    return tokenizer
+
+
+def load_model(spec: ModelSection, lora: LoraSection | None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.name_or_path, revision=spec.revision, dtype=_DTYPES[spec.dtype],
+        attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
+        use_safetensors=None)
+    model.config.use_cache = False  # the KV cache is useless in training and costs memory
+    if spec.gradient_checkpointing:
+        # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        model = apply_lora(model, lora, spec.gradient_checkpointing)
+    return model
+
+
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, modules_to_save=lora.modules_to_save,
+                        task_type="CAUSAL_LM")
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()
+        if hasattr(p, "ds_numel"):  # ZeRO-3 keeps a 0-size placeholder locally
+            n = p.ds_numel
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool = False) -> Path:
+    """Write a standard HF dir (safetensors + config + tokenizer) that from_pretrained loads.
+
+    Every rank takes part in gathering the weights (FSDP/ZeRO-3 shards are collected to the main process
+    only); only the main process writes, into a temporary dir renamed into place, so a crash never leaves
+    a half-written model where a user would load it.
+    """
+    out = Path(out_dir)
+    state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if merge_lora and is_peft_model(unwrapped):
+            _save_merged(tmp, unwrapped)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def _save_merged(adapter_dir: Path, peft_model) -> None:
+    """Merge the adapter into a CPU copy of the base model and save it under adapter_dir/merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=peft_model.dtype)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(adapter_dir / "merged", safe_serialization=True)

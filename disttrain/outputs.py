@@ -1,0 +1,70 @@
+"""What a run writes and prints besides metrics: the output dir, a copy of the resolved recipe, the data
+report and the one-screen run summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from disttrain.config import Recipe, recipe_to_dict
+
+FINAL_MODEL_DIR = "final"
+
+
+def final_model_dir(recipe: Recipe) -> Path:
+    return Path(recipe.output.dir) / FINAL_MODEL_DIR
+
+
+def start(accelerator, recipe: Recipe) -> None:
+    """Create the output dir and keep the exact recipe (overrides applied) next to the results."""
+    if accelerator.is_main_process:
+        out = Path(recipe.output.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    accelerator.wait_for_everyone()
+
+
+def report_data(accelerator, reports: dict) -> None:
+    for name, r in reports.items():
+        accelerator.print(f"data[{name}]: {r.examples} examples -> {r.rows} rows, {r.target_tokens} target tokens")
+        if r.dropped_no_target:
+            accelerator.print(f"data[{name}]: WARNING dropped {r.dropped_no_target} examples with no target tokens "
+                              "(prompt fills max_seq_len, or empty answer)")
+        if r.truncated:
+            accelerator.print(f"data[{name}]: note: {r.truncated} examples truncated to max_seq_len")
+
+
+def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int) -> None:
+    from disttrain.modeling import count_parameters
+
+    total, trainable = count_parameters(accelerator.unwrap_model(model))
+    t = recipe.training
+    global_batch = t.micro_batch_size * t.grad_accum * accelerator.num_processes
+    accelerator.print(
+        f"run: strategy={strategy} distributed_type={accelerator.distributed_type.value} "
+        f"processes={accelerator.num_processes} device={accelerator.device} mixed_precision={t.mixed_precision}\n"
+        f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
+        f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
+        f"{accelerator.num_processes} procs) steps/epoch={per_epoch} total_steps={total_steps}")
+
+
+def tracker_config(recipe: Recipe) -> dict:
+    # trackers (tensorboard hparams) want flat scalars
+    flat = {}
+
+    def walk(prefix, node):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(key + ".", v)
+            else:
+                flat[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+
+    walk("", recipe_to_dict(recipe))
+    return flat
+
+
+def tracker_init_kwargs(recipe: Recipe) -> dict:
+    name = recipe.logging.run_name or Path(recipe.output.dir).name
+    return {"wandb": {"name": name}}

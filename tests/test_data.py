@@ -1,0 +1,145 @@
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+from disttrain.config import DataSection
+from disttrain.data import (IGNORE_INDEX, Collator, build_datasets, count_targets, pack_rows, tokenize_record,
+                            validate_local_file)
+from disttrain.errors import DataError
+
+
+def section(**kw):
+    return DataSection(**{"path": "x.jsonl", "format": "alpaca", "max_seq_len": 256, **kw})
+
+
+def decode_targets(tokenizer, item):
+    return tokenizer.decode([t for t in item["labels"] if t != IGNORE_INDEX])
+
+
+def test_alpaca_masks_the_prompt_and_learns_answer_plus_eos(tokenizer):
+    item = tokenize_record({"instruction": "Reverse the order of the words.", "input": "apple river",
+                            "output": "river apple"}, tokenizer, section())
+    assert len(item["input_ids"]) == len(item["labels"])
+    assert decode_targets(tokenizer, item).startswith("river apple<|im_end|>")
+    full = tokenizer.decode(item["input_ids"])
+    assert full.startswith("<|im_start|>user\nReverse the order of the words.\n\napple river<|im_end|>")
+    n_prompt = next(i for i, t in enumerate(item["labels"]) if t != IGNORE_INDEX)
+    assert tokenizer.decode(item["input_ids"][:n_prompt]).endswith("<|im_start|>assistant\n")
+
+
+def test_chat_learns_only_assistant_turns(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Repeat the words. tiger"}, {"role": "assistant", "content": "tiger"},
+                {"role": "user", "content": "How many words are there? a b"}, {"role": "assistant", "content": "2"}]
+    item = tokenize_record({"messages": messages}, tokenizer, section(format="chat"))
+    targets = decode_targets(tokenizer, item)
+    assert targets == "tiger<|im_end|>\n2<|im_end|>\n"
+    assert "Be brief" not in targets and "Repeat" not in targets
+    # rendering is exactly the tokenizer's chat template
+    assert tokenizer.decode(item["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_without_chat_template_falls_back_to_plain_prompts(tokenizer):
+    plain = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = None
+    item = tokenize_record({"instruction": "Sort the words alphabetically.", "input": "b a", "output": "a b"},
+                           plain, section())
+    assert "### Instruction:" in plain.decode(item["input_ids"])
+    assert decode_targets(plain, item) == "a b<|im_end|>"
+
+
+def test_text_format_learns_everything(tokenizer):
+    item = tokenize_record({"text": "apple river stone"}, tokenizer, section(format="text"))
+    assert all(t != IGNORE_INDEX for t in item["labels"])
+    assert item["n_targets"] == len(item["labels"]) - 1
+
+
+def test_truncation_and_all_masked_examples(tokenizer):
+    long_prompt = {"instruction": "apple " * 100, "input": "", "output": "river"}
+    item = tokenize_record(long_prompt, tokenizer, section(max_seq_len=32))
+    assert len(item["input_ids"]) == 32 and item["truncated"] and item["n_targets"] == 0
+
+
+def test_malformed_lines_are_named_by_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "a", "output": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: invalid JSON"):
+        validate_local_file(str(bad), section(path=str(bad)))
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a"}\n')
+    with pytest.raises(DataError, match=r"missing.jsonl:2: missing field 'output' required by data.format=alpaca"):
+        validate_local_file(str(missing), section(path=str(missing)))
+    no_answer = tmp_path / "chat.jsonl"
+    no_answer.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match=r"chat.jsonl:1: conversation has no assistant message"):
+        validate_local_file(str(no_answer), section(path=str(no_answer), format="chat"))
+
+
+def test_empty_and_all_masked_datasets_are_errors(tmp_path, tokenizer):
+    from contextlib import nullcontext
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="holds no records"):
+        build_datasets(section(path=str(empty)), tokenizer, 0, nullcontext)
+    masked = tmp_path / "masked.jsonl"
+    masked.write_text("".join(json.dumps({"instruction": "apple " * 50, "output": "x"}) + "\n" for _ in range(3)))
+    with pytest.raises(DataError, match="all 3 examples have no target tokens"):
+        build_datasets(section(path=str(masked), max_seq_len=16), tokenizer, 0, nullcontext)
+
+
+def test_dropped_examples_are_reported(tmp_path, tokenizer):
+    from contextlib import nullcontext
+
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"instruction": "apple " * 50, "output": "x"}, {"instruction": "Repeat.", "output": "river"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _, reports = build_datasets(section(path=str(path), max_seq_len=24), tokenizer, 0, nullcontext)
+    assert len(train) == 1 and reports["train"].dropped_no_target == 1 and reports["train"].truncated == 1
+
+
+def test_packing_resets_positions_and_masks_boundaries():
+    rows = pack_rows([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[-100, 2, 3], [4, 5], [6, 7, 8, 9]], max_len=6)
+    assert rows["input_ids"] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert rows["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
+    # the first token of each example is never a target (it would be predicted from the previous example)
+    assert rows["labels"] == [[-100, 2, 3, -100, 5], [-100, 7, 8, 9]]
+
+
+def test_packed_examples_do_not_attend_to_each_other(tiny_model_dir, tokenizer):
+    """Logits of an example inside a packed row equal its logits alone: no cross-example attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    a = tokenizer("apple river stone cloud")["input_ids"]
+    b = tokenizer("green quick light")["input_ids"]
+    row = {k: v[0] for k, v in pack_rows([a, b], [a, b], max_len=64).items()}
+    packed = Collator(tokenizer.pad_token_id)([row])
+    # use_cache=False matters: with a KV cache transformers skips packed-sequence detection (the loop and
+    # load_model both turn the cache off)
+    with torch.no_grad():
+        together = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                         use_cache=False).logits[0, len(a):]
+        alone = model(input_ids=torch.tensor([b]), use_cache=False).logits[0]
+        leaky = model(input_ids=packed["input_ids"], use_cache=False).logits[0, len(a):]  # one causal mask
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(leaky, alone, atol=1e-3)
+
+
+def test_collator_pads_right_and_counts(tokenizer):
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+                                              {"input_ids": [8, 9], "labels": [-100, 9]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, tokenizer.pad_token_id]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
+    assert batch["num_tokens"].tolist() == [3, 2]
+    assert int(count_targets(batch)) == 3
+
+
+def test_shipped_data_matches_its_generator(tmp_path):
+    from disttrain.tiny import write_data
+
+    for path in write_data(tmp_path):
+        assert path.read_text() == (REPO / "data" / path.name).read_text(), f"regenerate with make data: {path.name}"
