@@ -67,6 +67,22 @@ def build_accelerator(recipe: Recipe, timeout_s: int = 1800):
         project_config=ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=f"{recipe.output.dir}/runs"),
         kwargs_handlers=[pg_kwargs],
     )
-    if not gpu and strategy != "deepspeed":
+    if strategy == "deepspeed":
+        kwargs["deepspeed_plugin"] = _deepspeed_plugin(recipe)
+    elif not gpu:
         kwargs["cpu"] = True
+    if strategy == "fsdp" and not gpu:
+        from disttrain.fsdp_cpu import fsdp_branch_on_cpu
+
+        with fsdp_branch_on_cpu(pg_kwargs.timeout):
+            return Accelerator(**kwargs)
     return Accelerator(**kwargs)
+
+
+def _deepspeed_plugin(recipe: Recipe):
+    """The DeepSpeed JSON keeps "auto" for what the recipe owns; fill those from the recipe here.
+    (accelerate refuses the same settings given both in the JSON and in the accelerate config.)"""
+    from accelerate.utils import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(gradient_accumulation_steps=recipe.training.grad_accum,
+                           gradient_clipping=recipe.training.max_grad_norm or 0.0)

@@ -13,10 +13,13 @@ from disttrain.errors import DisttrainError
 def _param_groups(model, weight_decay: float) -> list[dict]:
     # No decay on biases and norm weights (1-D tensors), the usual practice for transformers.
     decay, no_decay = [], []
-    for _name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            shape = getattr(p, "ds_shape", p.shape)  # under ZeRO-3 init every local tensor is 1-D and empty
+            (decay if len(shape) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # DeepSpeed drops empty groups, which would desynchronise the LR scheduler's per-group lists
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model, cfg: TrainingSection) -> torch.optim.Optimizer:
