@@ -27,7 +27,7 @@ LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test clean
+	test preflight clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -71,6 +71,9 @@ train-zero3: tiny ## DeepSpeed ZeRO-3
 
 train-zero3-offload: tiny ## DeepSpeed ZeRO-3 with optimizer + parameter offload to CPU
 	$(call LAUNCH,zero3_offload) train.py --recipe $(RECIPE) $(ARGS)
+
+preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrunk model (before renting GPUs)
+	$(PY) -m disttrain.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)
 
 test: tiny ## run the test suite (unit tests + real multi-process launches on CPU)
 	$(PY) -m pytest $(PYTEST_ARGS)

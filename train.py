@@ -33,11 +33,12 @@ def main(argv=None) -> None:
 
     from accelerate.utils import set_seed
 
-    from disttrain import data, loop, modeling, optim, outputs
-    from disttrain.backends import build_accelerator, launcher_strategy
+    from disttrain import compat, data, loop, modeling, optim, outputs
+    from disttrain.backends import build_accelerator, has_gpu, launcher_strategy, shards_weights
     from disttrain.metrics import MetricsLogger
 
-    # 2. The distributed world, as the accelerate config describes it.
+    # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
+    compat.check(recipe, launcher_strategy(), has_gpu())
     accelerator = build_accelerator(recipe)
     set_seed(recipe.training.seed)  # identical model init (and LoRA init) on every rank
     outputs.start(accelerator, recipe)
@@ -58,7 +59,8 @@ def main(argv=None) -> None:
     total_steps = cfg.max_steps or per_epoch * cfg.epochs
 
     # 5. Model, optimizer, schedule, loaders -> prepared for the chosen strategy.
-    model = modeling.load_model(recipe.model, recipe.lora)
+    model = modeling.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
+                                local_device=accelerator.local_process_index if has_gpu() else None)
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
     collator = data.Collator(tokenizer.pad_token_id)

@@ -72,10 +72,12 @@ def build_accelerator(recipe: Recipe, timeout_s: int = 1800):
     elif not gpu:
         kwargs["cpu"] = True
     if strategy == "fsdp" and not gpu:
-        from disttrain.fsdp_cpu import fsdp_branch_on_cpu
+        from disttrain.fsdp_cpu import fsdp_branch_on_cpu, unpin_offload
 
         with fsdp_branch_on_cpu(pg_kwargs.timeout):
-            return Accelerator(**kwargs)
+            accelerator = Accelerator(**kwargs)
+        unpin_offload(accelerator)
+        return accelerator
     return Accelerator(**kwargs)
 
 
@@ -86,3 +88,13 @@ def _deepspeed_plugin(recipe: Recipe):
 
     return DeepSpeedPlugin(gradient_accumulation_steps=recipe.training.grad_accum,
                            gradient_clipping=recipe.training.max_grad_norm or 0.0)
+
+
+def shards_weights(accelerator) -> bool:
+    """True under FSDP and ZeRO-3, where no rank holds the whole model."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3

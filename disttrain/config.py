@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from disttrain.errors import RecipeError
 
@@ -32,6 +32,7 @@ class ModelSection(_Section):
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     tokenizer_name_or_path: str | None = None
+    quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
 
 
 class DataSection(_Section):
@@ -68,6 +69,11 @@ class TrainingSection(_Section):
     seed: int = 42
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no_is_false(cls, value):
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
+
 
 class LoraSection(_Section):
     r: int = Field(16, ge=1)
@@ -102,6 +108,8 @@ class Recipe(_Section):
     def _check_cross_fields(self) -> Recipe:
         if self.data.eval_fraction and (self.data.eval_path or self.data.eval_split):
             raise ValueError("data: set either eval_fraction or eval_path/eval_split, not both")
+        if self.model.quantization and self.lora is None:
+            raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
         return self
 
 

@@ -35,3 +35,13 @@ def fsdp_branch_on_cpu(timeout: timedelta):
     if state.distributed_type != DistributedType.FSDP:
         raise RuntimeError("FSDP-on-CPU adapter: accelerate did not take its FSDP branch "
                            f"(state is {state.distributed_type}); this accelerate version needs a new adapter")
+
+
+def unpin_offload(accelerator) -> None:
+    """fsdp_offload on CPU: keep the offload policy (its code path is what we test) but without pinned
+    memory, which needs an accelerator to exist."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)

@@ -28,13 +28,31 @@ def load_tokenizer(spec: ModelSection):
     return tokenizer
 
 
-def load_model(spec: ModelSection, lora: LoraSection | None):
+def _quantization_kwargs(spec: ModelSection, sharded: bool, local_device: int | None) -> dict:
+    """QLoRA: NF4 base weights stored in the compute dtype, so FSDP / ZeRO-3 can flatten and shard them
+    next to the LoRA weights (bnb_4bit_quant_storage); replicated strategies load onto their own GPU."""
+    if spec.quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    dtype = _DTYPES[spec.dtype] if spec.dtype != "auto" else torch.bfloat16
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    kwargs = {"quantization_config": config}
+    if not sharded and local_device is not None:
+        kwargs["device_map"] = {"": local_device}
+    return kwargs
+
+
+def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None):
+    """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         spec.name_or_path, revision=spec.revision, dtype=_DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
-        use_safetensors=None)
+        use_safetensors=True,  # never unpickle weights
+        **_quantization_kwargs(spec, sharded, local_device))
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile

@@ -21,6 +21,7 @@ def test_loads_and_applies_typed_overrides(recipe_file):
     assert recipe.lora is not None and recipe.lora.r == 4 and recipe.lora.alpha == 32
     assert recipe.logging.report_to == ["tensorboard"]
     assert recipe.model.trust_remote_code is False  # only when a recipe asks
+    assert load_recipe(recipe_file, ["training.mixed_precision=no"]).training.mixed_precision == "no"
 
 
 def test_every_shipped_recipe_parses():

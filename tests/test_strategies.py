@@ -19,7 +19,7 @@ from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
 
-STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
 STEPS = 10
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 

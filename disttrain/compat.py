@@ -1,0 +1,38 @@
+"""Which strategy x training-mode x optimizer combinations work, checked before anything starts.
+
+A combination that cannot work fails with one line saying why and what to use instead; the same table
+is in docs/strategies.md. "tested" below means covered by the CPU test suite; QLoRA and 8-bit Adam need
+CUDA (bitsandbytes) and are checked only for their known requirements.
+
+| strategy        | full | LoRA | QLoRA (4-bit base)            | adamw_8bit          |
+|-----------------|------|------|-------------------------------|---------------------|
+| single / DDP    | yes  | yes  | yes (GPU)                     | yes (GPU)           |
+| FSDP2           | yes  | yes  | yes (GPU; quant storage=dtype)| no: states unsharded|
+| ZeRO-1/2        | yes  | yes  | yes (GPU)                     | no: use ZeRO's Adam |
+| ZeRO-3 (+offl.) | yes  | yes  | yes (GPU; quant storage=dtype)| no: use ZeRO's Adam |
+"""
+
+from __future__ import annotations
+
+from disttrain.config import Recipe
+from disttrain.errors import DisttrainError
+
+
+def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
+    t, m = recipe.training, recipe.model
+    if m.quantization and not gpu:
+        raise DisttrainError("model.quantization=4bit (QLoRA) needs a CUDA GPU (bitsandbytes kernels); on CPU "
+                             "drop model.quantization (plain LoRA), e.g. `model.quantization=null`")
+    if t.optimizer == "adamw_8bit":
+        if strategy in ("fsdp", "deepspeed"):
+            raise DisttrainError(f"training.optimizer=adamw_8bit is not supported with {strategy}: bitsandbytes "
+                                 "keeps its own unsharded states; use training.optimizer=adamw (ZeRO/FSDP already "
+                                 "shard Adam states) or the ddp config")
+        if not gpu:
+            raise DisttrainError("training.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes); use "
+                                 "training.optimizer=adamw on CPU")
+    if t.mixed_precision == "fp16" and not gpu:
+        raise DisttrainError("training.mixed_precision=fp16 needs a GPU; use bf16 or no on CPU")
+    if m.attn_implementation.startswith("flash_attention") and not gpu:
+        raise DisttrainError(f"model.attn_implementation={m.attn_implementation} needs a CUDA GPU with "
+                             "flash-attn installed; use sdpa")
