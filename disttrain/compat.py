@@ -1,15 +1,7 @@
 """Which strategy x training-mode x optimizer combinations work, checked before anything starts.
 
-A combination that cannot work fails with one line saying why and what to use instead; the same table
-is in docs/strategies.md. "tested" below means covered by the CPU test suite; QLoRA and 8-bit Adam need
-CUDA (bitsandbytes) and are checked only for their known requirements.
-
-| strategy        | full | LoRA | QLoRA (4-bit base)            | adamw_8bit          |
-|-----------------|------|------|-------------------------------|---------------------|
-| single / DDP    | yes  | yes  | yes (GPU)                     | yes (GPU)           |
-| FSDP2           | yes  | yes  | yes (GPU; quant storage=dtype)| no: states unsharded|
-| ZeRO-1/2        | yes  | yes  | yes (GPU)                     | no: use ZeRO's Adam |
-| ZeRO-3 (+offl.) | yes  | yes  | yes (GPU; quant storage=dtype)| no: use ZeRO's Adam |
+A combination that cannot work fails with one line saying why and what to use instead. The matrix and
+what was tested are in docs/strategies.md ("Compatibility matrix"); keep the two in step.
 """
 
 from __future__ import annotations
