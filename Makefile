@@ -27,7 +27,7 @@ LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight clean
+	test preflight resume clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -36,7 +36,8 @@ help: ## list targets and variables
 	@echo
 	@echo "Variables: RECIPE=$(RECIPE)  GPUS=$(GPUS) (processes per node; CPU processes without GPUs)"
 	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
-	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
+	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
+	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
 
@@ -71,6 +72,9 @@ train-zero3: tiny ## DeepSpeed ZeRO-3
 
 train-zero3-offload: tiny ## DeepSpeed ZeRO-3 with optimizer + parameter offload to CPU
 	$(call LAUNCH,zero3_offload) train.py --recipe $(RECIPE) $(ARGS)
+
+resume: tiny ## resume RECIPE under STRATEGY from the newest complete checkpoint in its output.dir
+	$(call LAUNCH,$(STRATEGY)) train.py --recipe $(RECIPE) output.resume=auto $(ARGS)
 
 preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrunk model (before renting GPUs)
 	$(PY) -m disttrain.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)

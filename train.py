@@ -5,12 +5,14 @@
     accelerate launch ... train.py --recipe recipes/qwen2.5-7b/lora_sft.yaml training.lr=1e-4 output.dir=out
 
 The recipe says what to train; the accelerate config says how to distribute it. This file is the story of
-one run; each step is one call into disttrain/.
+one run; each step is one call into disttrain/. Rerunning the same command resumes from the newest
+complete checkpoint in output.dir (output.resume=auto).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from disttrain.errors import DataError, exit_on_user_error
@@ -24,7 +26,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def main(argv=None):
     # 1. The recipe, validated before any process group or model exists.
     from disttrain.config import load_recipe
 
@@ -33,24 +35,31 @@ def main(argv=None) -> None:
 
     from accelerate.utils import set_seed
 
-    from disttrain import compat, data, loop, modeling, optim, outputs
+    from disttrain import checkpoint, compat, data, loop, modeling, optim, outputs
     from disttrain.backends import build_accelerator, has_gpu, launcher_strategy, shards_weights
     from disttrain.metrics import MetricsLogger
 
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
-    compat.check(recipe, launcher_strategy(), has_gpu())
+    strategy = launcher_strategy()
+    compat.check(recipe, strategy, has_gpu())
     accelerator = build_accelerator(recipe)
-    set_seed(recipe.training.seed)  # identical model init (and LoRA init) on every rank
+    cfg = recipe.training
+    shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,
+                                cfg.micro_batch_size, cfg.grad_accum)
+    resume_from = checkpoint.find(recipe.output.dir, recipe.output.resume)
+    if resume_from is not None:  # fail on a bad checkpoint now, not after loading the model
+        checkpoint.verify(resume_from)
+        saved_state = checkpoint.check_shape(resume_from, shape)
+    set_seed(cfg.seed)  # identical model init (and LoRA init) on every rank
     outputs.start(accelerator, recipe)
 
     # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others.
     tokenizer = modeling.load_tokenizer(recipe.model)
-    train_set, eval_set, reports = data.build_datasets(recipe.data, tokenizer, recipe.training.seed,
+    train_set, eval_set, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
                                                        accelerator.main_process_first)
     outputs.report_data(accelerator, reports)
 
     # 4. How long: optimizer steps from data size, batch, accumulation and world size.
-    cfg = recipe.training
     per_epoch = loop.steps_per_epoch(len(train_set), cfg.micro_batch_size, accelerator.num_processes, cfg.grad_accum)
     if per_epoch == 0:
         raise DataError(f"{recipe.data.path}: {len(train_set)} training rows cannot fill one optimizer step of "
@@ -64,22 +73,39 @@ def main(argv=None) -> None:
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
     collator = data.Collator(tokenizer.pad_token_id)
-    train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, drop_last=True)
+    train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
     eval_loader = data.make_loader(eval_set, cfg.micro_batch_size, collator, False, False) if eval_set else None
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
+    assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
-    outputs.describe_run(accelerator, recipe, model, launcher_strategy(), per_epoch, total_steps)
+    outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
 
-    # 6. Train.
+    # 6. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
+    state = loop.TrainState()
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state.load_state_dict(saved_state)
+        accelerator.print(f"resumed from {resume_from} at step {state.step}/{total_steps}")
+
+    # 7. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
+    signal.signal(signal.SIGTERM, loop.request_stop)
     accelerator.init_trackers(recipe.logging.project, config=outputs.tracker_config(recipe),
                               init_kwargs=outputs.tracker_init_kwargs(recipe))
-    log = MetricsLogger(accelerator, recipe.output.dir, total_steps)
-    state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log.log,
-                       loop.TrainState(), total_steps, recipe.logging.every_steps, progress=log.advance)
+    log = MetricsLogger(accelerator, recipe.output.dir, total_steps, initial_step=state.step)
+    checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
+                                           recipe.output.checkpoint_at_end, recipe.output.keep_last, shape)
+    state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log.log, state,
+                       total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
+                       checkpointer=checkpointer)
     log.close()
+    if state.step < total_steps:
+        accelerator.print(f"stopped at step {state.step}/{total_steps}; checkpoint {checkpointer.last_saved}. "
+                          "Run the same command again to resume.")
+        accelerator.end_training()
+        return state
 
-    # 7. Export a standard HF model dir (full weights, or the LoRA adapter).
+    # 8. Export a standard HF model dir (full weights, or the LoRA adapter).
     if recipe.output.save_final_model:
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe),
                                 merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))

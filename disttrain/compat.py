@@ -12,6 +12,7 @@ from disttrain.errors import DisttrainError
 
 def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     t, m = recipe.training, recipe.model
+    _check_trackers(recipe.logging.report_to)
     if m.quantization and not gpu:
         raise DisttrainError("model.quantization=4bit (QLoRA) needs a CUDA GPU (bitsandbytes kernels); on CPU "
                              "drop model.quantization (plain LoRA), e.g. `model.quantization=null`")
@@ -28,3 +29,14 @@ def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     if m.attn_implementation.startswith("flash_attention") and not gpu:
         raise DisttrainError(f"model.attn_implementation={m.attn_implementation} needs a CUDA GPU with "
                              "flash-attn installed; use sdpa")
+
+
+def _check_trackers(report_to: list[str]) -> None:
+    # accelerate only warns when a tracker is missing, and the run would log nowhere
+    import importlib.util
+
+    modules = {"wandb": "wandb", "tensorboard": "tensorboard"}
+    for tracker in report_to:
+        if tracker in modules and importlib.util.find_spec(modules[tracker]) is None:
+            raise DisttrainError(f"logging.report_to includes {tracker} but it is not installed: pip install "
+                                 f"{tracker} (or `make setup EXTRAS=test,tracking`), or remove it from report_to")

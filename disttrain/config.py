@@ -68,6 +68,8 @@ class TrainingSection(_Section):
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
     seed: int = 42
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
+    stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
+                                     "the schedule still runs to the full length on resume")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -94,6 +96,10 @@ class LoggingSection(_Section):
 class OutputSection(_Section):
     dir: str
     save_final_model: bool = True
+    checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
+    checkpoint_at_end: bool = True
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk")
+    resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
 
 
 class Recipe(_Section):

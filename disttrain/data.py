@@ -278,8 +278,13 @@ def build_datasets(section: DataSection, tokenizer, seed: int, main_process_firs
     return train, evaluation, reports
 
 
-def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool):
-    """A plain DataLoader; accelerator.prepare() shards it across ranks and seeds its shuffling."""
+def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):
+    """A plain DataLoader; accelerator.prepare() shards it across ranks and seeds its shuffling.
+
+    It gets its own generator: creating an iterator draws a seed from the loader's generator, and drawing
+    it from the global RNG would shift dropout after a mid-epoch resume (which creates one extra iterator).
+    """
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, collate_fn=collator)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, collate_fn=collator,
+                      generator=torch.Generator().manual_seed(seed))

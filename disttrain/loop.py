@@ -40,11 +40,23 @@ def steps_per_epoch(num_rows: int, micro_batch_size: int, num_processes: int, gr
     return (num_rows // micro_batch_size) // num_processes // grad_accum
 
 
-def _window_denominator(window: list[dict], accelerator) -> torch.Tensor:
-    local = sum(count_targets(b) for b in window).to(accelerator.device, torch.float32)
+_stop_requested = False
+
+
+def request_stop(*_signal_args) -> None:
+    """SIGTERM handler: finish the current step, checkpoint, exit (the flag reaches all ranks in one step)."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def _window_denominator(window: list[dict], accelerator) -> tuple[torch.Tensor, bool]:
+    """All-reduce of (target tokens in this window, stop requested): one small collective per step."""
+    targets = sum(count_targets(b) for b in window).to(accelerator.device, torch.float32)
+    local = torch.stack([targets, torch.tensor(float(_stop_requested), device=targets.device)])
     total = accelerator.reduce(local, reduction="sum")
     # scale so that accelerate's /grad_accum and the strategy's mean over ranks are undone
-    return total.clamp(min=1.0) / (accelerator.num_processes * accelerator.gradient_accumulation_steps)
+    denominator = total[0].clamp(min=1.0) / (accelerator.num_processes * accelerator.gradient_accumulation_steps)
+    return denominator, bool(total[1] > 0)
 
 
 def _forward(model, batch: dict, num_items_in_batch=None):
@@ -116,20 +128,24 @@ class _Window:
 
 
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log, state: TrainState,
-          total_steps: int, log_every: int, progress=None, on_step_end=None) -> TrainState:
-    """Run optimizer steps until total_steps. `log(record, step)` receives every metrics line (on every
-    rank), `progress()` is called once per step, `on_step_end(state)` lets the caller checkpoint."""
+          total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None) -> TrainState:
+    """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
+
+    `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
+    `checkpointer` (due(step) / save(state)) writes checkpoints. A log line is always written at a
+    checkpoint, so a resumed run's metrics continue without a seam.
+    """
     ga = accelerator.gradient_accumulation_steps
     window = _Window(accelerator.device)
     model.train()
     while state.step < total_steps:
-        train_loader.set_epoch(state.epoch)
-        batches = iter(train_loader)
-        while state.step < total_steps:
+        state.epoch = state.step // per_epoch
+        train_loader.set_epoch(state.epoch)  # the epoch's permutation, identical on every rank
+        consumed = (state.step % per_epoch) * ga  # non-zero only right after a mid-epoch resume
+        batches = iter(accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader)
+        for _ in range(state.step % per_epoch, per_epoch):
             micro_batches = list(islice(batches, ga))
-            if len(micro_batches) < ga:
-                break  # end of epoch; a partial window is dropped (see steps_per_epoch)
-            denominator = _window_denominator(micro_batches, accelerator)
+            denominator, stop = _window_denominator(micro_batches, accelerator)
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     loss = _forward(model, batch, num_items_in_batch=denominator).loss
@@ -145,7 +161,9 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
             if progress is not None:
                 progress()
             last = state.step >= total_steps
-            if state.step % log_every == 0 or last:
+            stop = stop or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step and not last)
+            save = checkpointer is not None and (checkpointer.due(state.step, last) or stop)
+            if state.step % log_every == 0 or last or save:
                 summary = window.summarize(accelerator)
                 state.tokens_seen += summary["tokens"]
                 log({**summary, "lr": scheduler.get_last_lr()[0], "grad_norm": _as_float(grad_norm),
@@ -153,9 +171,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
                 window.reset()
             if eval_loader is not None and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
                 log({"eval_loss": evaluate(accelerator, model, eval_loader)}, state.step)
-            if on_step_end is not None:
-                on_step_end(state)
-        else:
-            break
-        state.epoch += 1
+            if save:
+                checkpointer.save(state)
+            if stop or last:
+                return state
     return state

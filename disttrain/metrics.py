@@ -16,6 +16,11 @@ class MetricsLogger:
     def __init__(self, accelerator, out_dir: str | Path, total_steps: int, initial_step: int = 0):
         self.accelerator = accelerator
         self.path = Path(out_dir) / METRICS_FILE
+        if accelerator.is_main_process and self.path.exists():
+            # a resumed run repeats the steps after its checkpoint: drop their old lines (no duplicates)
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= initial_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
                         disable=not accelerator.is_main_process, dynamic_ncols=True)
 

@@ -2,10 +2,13 @@
 
 The recipe's model is shrunk to a tiny one of the same architecture (same class and config, tiny dims,
 random init, nothing downloaded: the config comes from model_configs/ or a local model dir), then two CPU
-processes run a few steps under the chosen accelerate config and export the result, which is loaded back.
+processes train under the chosen accelerate config, stop half-way with a checkpoint, resume to the end
+and export the result, which is loaded back.
 Catches: recipe typos and type errors, impossible strategy combinations, architecture/strategy problems
 (wrapping, tied weights, LoRA target names), and export/load problems. Does not catch: GPU memory fit
 (see docs/strategies.md), hub access, or kernels that only exist on GPUs (QLoRA, flash-attention).
+Stages: recipe, compatibility, shrink, save (stop half-way with a checkpoint), resume (same command
+continues to the end), export (the exported model loads back).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from disttrain.config import LOCAL_DATA_SUFFIXES, Recipe, load_recipe
@@ -174,27 +176,46 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
     cpu, notes = cpu_overrides(recipe, model_dir, run_dir, steps)
     for note in notes:
         print(f"       note: {note}")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-           "--num_processes", str(nproc), "--main_process_port", str(_free_port()),
-           str(REPO / "train.py"), "--recipe", str(recipe_path), *overrides, *cpu]
-    started = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    (work_dir / "train.log").write_text(proc.stdout + "\n" + proc.stderr)
-    if proc.returncode != 0:
-        errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "[rank0]:"))]
-        report.add("train", False, f"exit {proc.returncode}; {errors[-1] if errors else 'see'} "
-                   f"(full log: {work_dir / 'train.log'})")
+    base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+            "--num_processes", str(nproc), "--main_process_port", str(_free_port()),
+            str(REPO / "train.py"), "--recipe", str(recipe_path), *overrides, *cpu]
+    half = max(1, steps // 2)
+
+    # save: stop half-way, as a preempted job would, leaving a checkpoint
+    first = _launch(base + [f"training.stop_at_step={half}", "output.checkpoint_every=1"], work_dir / "save.log")
+    checkpoint = run_dir / "checkpoints" / f"step-{half:08d}"
+    if not report.add("save", first.returncode == 0 and checkpoint.is_dir(),
+                      f"{nproc} processes under {strategy}, stopped at step {half}: {checkpoint.name} written"
+                      if first.returncode == 0 else _failure(first, work_dir / "save.log")):
+        return report
+    # resume: the same command continues from that checkpoint to the end, then exports
+    second = _launch(base + ["output.checkpoint_every=1"], work_dir / "resume.log")
+    if second.returncode != 0:
+        report.add("resume", False, _failure(second, work_dir / "resume.log"))
         return report
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
-    report.add("train", len(losses) == steps, f"{nproc} processes x {steps} steps under {strategy} in "
-               f"{time.time() - started:.0f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    resumed = f"resumed from {checkpoint} at step {half}" in second.stdout
+    report.add("resume", resumed and len(losses) == steps,
+               f"continued from step {half} to {steps}, loss {losses[0]:.3f} -> {losses[-1]:.3f}" if resumed
+               else "the second run did not resume from the checkpoint")
     try:
         report.add("export", True, load_export(run_dir / "final", recipe.lora is not None))
     except Exception as exc:
         report.add("export", False, f"{type(exc).__name__}: {exc}")
     return report
+
+
+def _launch(cmd: list[str], log_path: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    log_path.write_text(proc.stdout + "\n" + proc.stderr)
+    return proc
+
+
+def _failure(proc: subprocess.CompletedProcess, log_path: Path) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "[rank0]:"))]
+    return f"exit {proc.returncode}; {errors[-1] if errors else 'see the log'} (full log: {log_path})"
 
 
 def _free_port() -> int:
@@ -210,7 +231,7 @@ def main(argv=None) -> None:
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--strategy", default="ddp", help="an accelerate_configs/<name>.yaml, e.g. ddp, fsdp, zero3")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all (half before the resume)")
     parser.add_argument("--work-dir", default=None, help="default: outputs/preflight/<recipe>-<strategy>")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(argv)

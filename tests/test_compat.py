@@ -46,3 +46,14 @@ def test_quantization_without_lora_is_a_recipe_error(tmp_path):
                                     "output": {"dir": "o"}}))
     with pytest.raises(RecipeError, match="model.quantization needs a lora section"):
         load_recipe(path)
+
+
+def test_missing_tracker_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    r = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "x", "format": "text"},
+                               "logging": {"report_to": ["wandb"]}, "output": {"dir": "o"}})
+    with pytest.raises(DisttrainError, match="report_to includes wandb but it is not installed"):
+        check(r, "ddp", gpu=True)

@@ -84,3 +84,22 @@ def test_bad_data_line_fails_fast_with_file_and_line(tmp_path, tiny_model_dir):
     assert proc.returncode != 0
     assert f"error: {bad}:2: missing field 'output' required by data.format=alpaca" in proc.stderr
     assert not (tmp_path / "out" / "final").exists()
+
+
+def test_lora_export_with_merged_model(tmp_path, tiny_model_dir):
+    out = tmp_path / "lora"
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, lora={"r": 4, "alpha": 8, "dropout": 0.0, "merge_on_export": True}))
+    assert_ok(launch("ddp", recipe))
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    final = out / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
+    adapter = AutoPeftModelForCausalLM.from_pretrained(final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ids = torch.tensor([[5, 17, 42, 9, 100]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        assert not torch.allclose(base(ids).logits, merged(ids).logits, atol=1e-4)  # the adapter learned something

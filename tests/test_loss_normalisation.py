@@ -39,8 +39,9 @@ def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run"):
     (tmp_path / name).mkdir(exist_ok=True)
     records = []
     metrics = MetricsLogger(accelerator, tmp_path / name, steps)
+    per_epoch = loop.steps_per_epoch(len(train_set), micro_batch_size, 1, grad_accum)
     loop.train(accelerator, model, optimizer, scheduler, loader, None, recipe.training,
-               lambda rec, step: records.append(rec), loop.TrainState(), steps, log_every=1)
+               lambda rec, step: records.append(rec), loop.TrainState(), steps, per_epoch, log_every=1)
     metrics.close()
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).named_parameters()}
     return params, [r["loss"] for r in records], train_set

@@ -26,9 +26,9 @@ def test_every_shipped_recipe_is_covered():
 @pytest.mark.parametrize("recipe, strategy", sorted(SHIPPED.items()))
 def test_preflight_passes(recipe, strategy, tmp_path, tiny_model_dir):
     overrides = [f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else []
-    report = run(str(REPO / "recipes" / recipe), strategy, nproc=2, steps=3, work_dir=tmp_path / "pf",
+    report = run(str(REPO / "recipes" / recipe), strategy, nproc=2, steps=4, work_dir=tmp_path / "pf",
                  overrides=overrides)
-    assert [stage for stage, _, _ in report.rows] == ["recipe", "compatibility", "shrink", "train", "export"]
+    assert [stage for stage, _, _ in report.rows] == ["recipe", "compatibility", "shrink", "save", "resume", "export"]
     assert not report.failed(), report.rows
     assert (tmp_path / "pf" / "run" / "final").is_dir()
 
@@ -53,4 +53,4 @@ def test_preflight_reports_each_failure(tmp_path):
     # a LoRA target that does not exist in the architecture is caught by the dry run itself
     report = run(str(REPO / "recipes/qwen2.5-7b/lora_sft.yaml"), "ddp", 2, 2, tmp_path / "pf2",
                  overrides=["lora.target_modules=[query_key_value]"])
-    assert report.rows[-1][0] == "train" and report.failed()
+    assert report.rows[-1][0] == "save" and report.failed()

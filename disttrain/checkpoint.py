@@ -1,0 +1,179 @@
+"""Checkpoints that survive crashes, and exact resume.
+
+Layout under `<output.dir>/checkpoints/`:
+    step-00000120/          accelerate.save_state(): model + optimizer (sharded for FSDP/ZeRO), scheduler,
+                            per-rank RNG, plus trainer_state.json and manifest.json (written last)
+    latest                  name of the newest complete checkpoint
+    .tmp-step-00000130/     a save in progress (or killed mid-way): never picked for resume
+
+Atomicity: every rank writes into the .tmp dir; after a barrier the main process writes the manifest
+(file list and sizes), renames the dir into place and then rewrites `latest` (write + rename). A crash at
+any point leaves the previous checkpoint and marker intact. On resume the manifest is checked, so a
+truncated or damaged checkpoint is named in one line instead of being loaded.
+
+Data position needs no sampler state: every epoch has exactly `steps_per_epoch` windows of `grad_accum`
+micro-batches from the seeded permutation of that epoch, so step k means epoch k // steps_per_epoch with
+(k % steps_per_epoch) * grad_accum micro-batches consumed, skipped with accelerator.skip_first_batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from disttrain.errors import DisttrainError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(DisttrainError):
+    pass
+
+
+@dataclass
+class RunShape:
+    """What must match (or be converted) to resume a checkpoint."""
+
+    world_size: int
+    strategy: str
+    micro_batch_size: int
+    grad_accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.micro_batch_size * self.grad_accum
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def _files_with_sizes(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int) -> Path:
+    """Collective: every rank must call it at the same step."""
+    root = checkpoint_root(output_dir)
+    name = f"step-{train_state.step:08d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed at this very step
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # all shards are on disk before anything is declared complete
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps({**train_state.state_dict(), "shape": asdict(shape)}, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps({"files": _files_with_sizes(tmp)}, indent=1))
+        if final.exists():  # same step saved before (e.g. resumed and stopped again at once)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomically(root / LATEST, name)
+        _prune(root, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _complete(root: Path) -> list[Path]:
+    return sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=lambda p: p.name)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for old in _complete(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(checkpoint: Path) -> None:
+    """One-line error if files are missing, truncated or extended since the save."""
+    manifest_path = checkpoint / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} is incomplete (no {MANIFEST}): it was not written by a "
+                              "finished save; delete it or resume from another one")
+    try:
+        expected = json.loads(manifest_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        raise CheckpointError(f"checkpoint {checkpoint}: {MANIFEST} is damaged; resume from another checkpoint") from None
+    actual = _files_with_sizes(checkpoint)
+    actual.pop(MANIFEST, None)
+    for rel, size in expected.items():
+        if rel not in actual:
+            raise CheckpointError(f"checkpoint {checkpoint} is corrupt: {rel} is missing")
+        if actual[rel] != size:
+            raise CheckpointError(f"checkpoint {checkpoint} is corrupt: {rel} has {actual[rel]} bytes, "
+                                  f"{size} were written")
+
+
+def find(output_dir: str | Path, resume: str) -> Path | None:
+    """`auto`: newest complete checkpoint in the output dir (None if there is none); `none`; or a path."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"output.resume={resume!r}: no such checkpoint directory")
+        return path
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return None
+    latest = root / LATEST
+    if latest.is_file() and (root / latest.read_text().strip()).is_dir():
+        return root / latest.read_text().strip()
+    candidates = _complete(root)
+    return candidates[-1] if candidates else None
+
+
+def check_shape(checkpoint: Path, current: RunShape) -> dict:
+    """Returns the saved trainer state; raises one line when the checkpoint cannot continue this run."""
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    saved = RunShape(**state.pop("shape"))
+    if saved.strategy != current.strategy:
+        raise CheckpointError(f"checkpoint {checkpoint} was written under {saved.strategy}, this run is "
+                              f"{current.strategy}: resume with the same accelerate config, or export the weights "
+                              "(final/ or zero_to_fp32.py) and start a new run from them")
+    if saved.world_size != current.world_size and current.strategy == "deepspeed":
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by {saved.world_size} processes, this run has "
+            f"{current.world_size}: DeepSpeed ZeRO shards are per rank; convert it with "
+            f"`python -m deepspeed.checkpoint.ds_to_universal` (universal checkpoint) or export weights with "
+            f"{checkpoint}/pytorch_model/zero_to_fp32.py, or resume with {saved.world_size} processes")
+    if saved.global_batch != current.global_batch:
+        # the data position is derived from the step, so the rows per step must not change
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by {saved.world_size} processes with a global batch of "
+            f"{saved.global_batch} rows; this run has {current.world_size} processes and "
+            f"{current.global_batch}: set training.grad_accum so that processes x micro_batch_size x "
+            f"grad_accum = {saved.global_batch}, which keeps the data order and schedule exact")
+    return state
+
+
+class Checkpointer:
+    """What the loop needs: when to save, and how."""
+
+    def __init__(self, accelerator, output_dir: str | Path, every: int | None, at_end: bool, keep_last: int,
+                 shape: RunShape):
+        self.accelerator, self.output_dir, self.every, self.at_end = accelerator, output_dir, every, at_end
+        self.keep_last, self.shape = keep_last, shape
+        self.last_saved: Path | None = None
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.every and step % self.every == 0) or (last and self.at_end)
+
+    def save(self, train_state) -> Path:
+        self.last_saved = save(self.accelerator, self.output_dir, train_state, self.shape, self.keep_last)
+        self.accelerator.print(f"checkpoint: {self.last_saved}")
+        return self.last_saved

@@ -1,0 +1,182 @@
+"""Exact resume for every strategy: stop mid-epoch with grad_accum > 1, resume, and match an uninterrupted
+run step for step and weight for weight. Plus killed ranks, killed saves and corrupt checkpoints."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from disttrain.metrics import read_metrics
+
+pytestmark = pytest.mark.launch
+
+STEPS, STOP = 10, 5
+LORA = {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}  # dropout: RNG must resume too
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """35 rows -> 4 steps per epoch with 2 ranks x micro 2 x accum 2 (3 rows dropped): the runs cross epochs,
+    and step 5 is one window into the second epoch."""
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    path.write_text("".join((REPO / "data/tiny_alpaca.jsonl").read_text().splitlines(keepends=True)[:35]))
+    return path
+
+
+def recipe(tmp_path, model_dir, data, name, lora=False, **output):
+    sections = dict(data={"path": str(data), "max_seq_len": 48},
+                    training={"max_steps": STEPS, "micro_batch_size": 2, "grad_accum": 2, "lr": 2e-3,
+                              "lr_scheduler": "cosine", "warmup_steps": 2},
+                    output={"checkpoint_every": 3, "keep_last": 2, **output})
+    if lora:
+        sections["lora"] = LORA
+    return write_recipe(tmp_path / f"{name}.yaml", base_recipe(model_dir, tmp_path / name, **sections))
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def final_weights(out, lora):
+    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def assert_same_run(a, b, lora):
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == list(range(1, STEPS + 1)), "metrics must have one line per step, no gap, no duplicate"
+    assert lb == pytest.approx(la, rel=1e-6, abs=1e-7)
+    wa, wb = final_weights(a, lora), final_weights(b, lora)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("strategy, lora", [("ddp", False), ("fsdp", False), ("zero2", False), ("zero3", False),
+                                            ("ddp", True), ("fsdp", True), ("zero2", True), ("zero3", True)])
+def test_stop_and_resume_matches_uninterrupted(strategy, lora, tmp_path, tiny_model_dir, small_data):
+    r = recipe(tmp_path, tiny_model_dir, small_data, "a", lora)
+    assert_ok(launch(strategy, r))
+    b = recipe(tmp_path, tiny_model_dir, small_data, "b", lora)
+    first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
+    assert_ok(first)
+    assert f"stopped at step {STOP}/{STEPS}" in first.stdout
+    assert not (tmp_path / "b" / "final").exists()
+    second = launch(strategy, b)
+    assert_ok(second)
+    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / f'step-{STOP:08d}'} at step {STOP}/{STEPS}" in second.stdout
+    assert_same_run(tmp_path / "a", tmp_path / "b", lora)
+    kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert kept == ["latest", "step-00000009", "step-00000010"]  # keep_last=2
+
+
+def test_sigterm_checkpoints_and_resumes(tmp_path, tiny_model_dir, small_data):
+    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
+    r.write_text(r.read_text().replace(f"max_steps: {STEPS}", "max_steps: 400"))  # long enough to be signalled
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(r)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+        time.sleep(0.2)
+    # what a scheduler's preemption does: SIGTERM to every training process
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        if "train.py" in " ".join(child.cmdline()) and "accelerate.commands.launch" not in " ".join(child.cmdline()):
+            child.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
+    assert stopped, out[-3000:]
+    step = int(stopped[0].split()[3].split("/")[0])
+    assert 8 <= step < 400 and (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
+
+
+def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, small_data):
+    """SIGKILL one rank mid-run: the job fails; the same command again resumes from the newest complete
+    checkpoint and ends exactly where an uninterrupted run ends."""
+    steps = 120
+    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
+    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
+    for path in (a, b):
+        path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {steps}")
+                        .replace("checkpoint_every: 3", "checkpoint_every: 10").replace("every_steps: 1", "every_steps: 10"))
+    assert_ok(launch("ddp", a))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(b)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ckpts = tmp_path / "b" / "checkpoints"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+            time.sleep(0.05)
+        victims = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "train.py" in " ".join(c.cmdline()) and "accelerate.commands.launch" not in " ".join(c.cmdline())]
+        assert victims, "no training process found"
+        victims[-1].kill()  # SIGKILL one rank
+        assert proc.wait(timeout=120) != 0
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        proc.kill()
+    assert not (tmp_path / "b" / "final").exists()
+    second = launch("ddp", b)
+    assert_ok(second)
+    assert "resumed from" in second.stdout
+    wa, wb = final_weights(tmp_path / "a", False), final_weights(tmp_path / "b", False)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_interrupted_save_and_corrupt_checkpoints_are_never_loaded(tmp_path, tiny_model_dir, small_data):
+    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
+    assert_ok(launch("ddp", r, overrides=["training.stop_at_step=6"]))
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text() == "step-00000006"
+    # a save killed mid-way leaves a .tmp dir: resume ignores it and continues from the last complete one
+    partial = root / ".tmp-step-00000007"
+    shutil.copytree(root / "step-00000006", partial)
+    (partial / "manifest.json").unlink()
+    proc = launch("ddp", r, overrides=["training.stop_at_step=7"])
+    assert_ok(proc)
+    assert "resumed from" in proc.stdout and "step-00000006 at step 6" in proc.stdout
+    # a truncated shard in the newest checkpoint is named in one line, and nothing starts
+    newest = root / (root / "latest").read_text()
+    victim = newest / "model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:100])
+    proc = launch("ddp", r, timeout=120)
+    assert proc.returncode != 0
+    assert f"error: checkpoint {newest} is corrupt: model.safetensors has 100 bytes" in proc.stderr
+    # an explicit path is honoured, and a missing one is an error
+    proc = launch("ddp", r, overrides=[f"output.resume={tmp_path / 'nope'}"], timeout=120)
+    assert proc.returncode != 0 and "output.resume=" in proc.stderr and "no such checkpoint directory" in proc.stderr
+
+
+def test_world_size_change(tmp_path, tiny_model_dir, small_data):
+    """FSDP2 (DCP) reshards to another process count when the global batch is kept; DeepSpeed explains."""
+    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
+    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
+    for path in (a, r):
+        text = path.read_text().replace("micro_batch_size: 2", "micro_batch_size: 1").replace("grad_accum: 2", "grad_accum: 3")
+        path.write_text(text)
+    assert_ok(launch("fsdp", a))
+    assert_ok(launch("fsdp", r, overrides=["training.stop_at_step=4"]))
+    # 3 processes x 1 x 2 = the same global batch of 6 rows as 2 x 1 x 3
+    assert_ok(launch("fsdp", r, nproc=3, overrides=["training.grad_accum=2"]))
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "run")
+    assert lb == pytest.approx(la, rel=1e-5)
+    bad = launch("fsdp", r, nproc=3, overrides=["training.max_steps=12"], timeout=120)
+    assert bad.returncode != 0 and "set training.grad_accum so that processes x micro_batch_size x grad_accum = 6" in bad.stderr
+
+    z = recipe(tmp_path, tiny_model_dir, small_data, "z")
+    assert_ok(launch("zero2", z, overrides=["training.stop_at_step=3"]))
+    proc = launch("zero2", z, nproc=1, overrides=["training.grad_accum=4"], timeout=120)
+    assert proc.returncode != 0
+    assert "written by 2 processes, this run has 1: DeepSpeed ZeRO shards are per rank" in proc.stderr
