@@ -22,12 +22,18 @@ ARGS        ?=
 PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
 
+RDZV_TIMEOUT ?= 600
+HOSTFILE    ?=
+
+# One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
+# configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
 LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
-	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
+	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
+	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume clean
+	test preflight resume cost clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -36,6 +42,7 @@ help: ## list targets and variables
 	@echo
 	@echo "Variables: RECIPE=$(RECIPE)  GPUS=$(GPUS) (processes per node; CPU processes without GPUs)"
 	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
+	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 
@@ -78,6 +85,9 @@ resume: tiny ## resume RECIPE under STRATEGY from the newest complete checkpoint
 
 preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrunk model (before renting GPUs)
 	$(PY) -m disttrain.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)
+
+cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --tokens 1e9 --gpu H100 --gpus 8'
+	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)
 
 test: tiny ## run the test suite (unit tests + real multi-process launches on CPU)
 	$(PY) -m pytest $(PYTEST_ARGS)

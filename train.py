@@ -42,6 +42,7 @@ def main(argv=None):
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
     strategy = launcher_strategy()
     compat.check(recipe, strategy, has_gpu())
+    compat.check_trackers(recipe.logging.report_to)
     accelerator = build_accelerator(recipe)
     cfg = recipe.training
     shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,

@@ -12,7 +12,6 @@ from disttrain.errors import DisttrainError
 
 def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     t, m = recipe.training, recipe.model
-    _check_trackers(recipe.logging.report_to)
     if m.quantization and not gpu:
         raise DisttrainError("model.quantization=4bit (QLoRA) needs a CUDA GPU (bitsandbytes kernels); on CPU "
                              "drop model.quantization (plain LoRA), e.g. `model.quantization=null`")
@@ -31,8 +30,8 @@ def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
                              "flash-attn installed; use sdpa")
 
 
-def _check_trackers(report_to: list[str]) -> None:
-    # accelerate only warns when a tracker is missing, and the run would log nowhere
+def check_trackers(report_to: list[str]) -> None:
+    """This machine has the recipe's trackers (accelerate only warns, and the run would log nowhere)."""
     import importlib.util
 
     modules = {"wandb": "wandb", "tensorboard": "tensorboard"}

@@ -1,0 +1,52 @@
+"""Training FLOPs per token from a model config (PaLM appendix B; what nanoGPT and torchtitan use).
+
+    full fine-tune:  6 * N_matmul + 12 * L * H * d_head * T
+    LoRA:            4 * N_frozen + 6 * N_adapter + 12 * L * H * d_head * T
+N_matmul counts the weights of every matmul, the output projection included (also when it is tied to the
+embedding); the embedding lookup itself is no matmul. The attention term is the QK^T and AV products
+(forward 2 matmuls x 2 FLOPs, backward 2x), with H query heads and d_head their dimension, so GQA does not
+shrink it; causal masking is not discounted, as in PaLM. Frozen weights need no weight gradients: 2 FLOPs
+forward + 2 backward (input gradients) per weight instead of 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int            # all parameters
+    matmul_params: int     # weights that take part in a matmul (output projection included)
+    layers: int
+    heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+
+
+def shape_from_config(config) -> ModelShape:
+    """Exact counts from an empty (meta-device) instance of the architecture: nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(params, matmul, config.num_hidden_layers, heads, head_dim, config.hidden_size, config.vocab_size)
+
+
+def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    return 12.0 * shape.layers * shape.heads * shape.head_dim * seq_len
+
+
+def training_flops_per_token(shape: ModelShape, seq_len: int, trainable_params: int | None = None) -> float:
+    """`trainable_params` = adapter parameters for LoRA (None: full fine-tune)."""
+    if trainable_params is None:
+        dense = 6.0 * shape.matmul_params
+    else:
+        dense = 4.0 * shape.matmul_params + 6.0 * trainable_params
+    return dense + attention_flops_per_token(shape, seq_len)

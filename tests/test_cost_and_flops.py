@@ -1,0 +1,108 @@
+"""FLOPs formula and the cost / memory planner against hand-computed cases."""
+
+import json
+
+import pytest
+import torch
+
+from disttrain.cost import ASSUMED_MFU, Workload, main, model_states_gb, plan
+from disttrain.flops import ModelShape, shape_from_config, training_flops_per_token
+from disttrain.hardware import ACCELERATORS, lookup
+from disttrain.preflight import find_config_dir
+
+
+def config(name):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(find_config_dir(name))
+
+
+def test_parameter_counts_of_real_configs():
+    qwen = shape_from_config(config("Qwen/Qwen2.5-7B-Instruct"))
+    assert qwen.params == 7_615_616_512  # the published count
+    # matmuls = everything but the embedding table, 2 x 28 + 1 norms and q/k/v biases
+    biases = 28 * (3584 + 2 * 512)
+    norms = 3584 * (2 * 28 + 1)
+    assert qwen.matmul_params == qwen.params - 152064 * 3584 - norms - biases
+    llama = shape_from_config(config("meta-llama/Llama-3.1-8B-Instruct"))
+    assert llama.params == 8_030_261_248
+    assert llama.matmul_params == 8_030_261_248 - 128256 * 4096 - 4096 * 65
+    tied = shape_from_config(config("Qwen/Qwen2.5-0.5B-Instruct"))
+    assert tied.params == 494_032_768
+    # tied: the output projection is still a matmul (its weight is the embedding)
+    assert tied.matmul_params == tied.params - 896 * (2 * 24 + 1) - 24 * (896 + 2 * 128) + 0
+
+
+def test_flops_per_token_by_hand():
+    llama = shape_from_config(config("meta-llama/Llama-3.1-8B-Instruct"))
+    expected = 6 * 7_504_658_432 + 12 * 32 * 32 * 128 * 4096
+    assert training_flops_per_token(llama, 4096) == expected
+    lora = training_flops_per_token(llama, 4096, trainable_params=20_000_000)
+    assert lora == 4 * 7_504_658_432 + 6 * 20_000_000 + 12 * 32 * 32 * 128 * 4096
+
+
+@pytest.mark.parametrize("make_config", ["llama", "qwen2"])
+def test_formula_matches_torch_flop_counter(make_config):
+    """Within a few % of FlopCounterMode on real tiny models of two architectures (forward + backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if make_config == "llama" else Qwen2Config
+    cfg = cls(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    cfg._attn_implementation = "eager"  # CPU SDPA kernels are invisible to FlopCounterMode; eager is plain matmuls
+    model = AutoModelForCausalLM.from_config(cfg)
+    seq = 256
+    ids = torch.randint(0, 1000, (2, seq))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    measured = counter.get_total_flops() / ids.numel()
+    formula = training_flops_per_token(shape_from_config(cfg), seq)
+    assert formula == pytest.approx(measured, rel=0.03)
+
+
+def test_peaks_are_dense():
+    assert lookup("H100").peak_tflops == 989 and lookup("h200").peak_tflops == 989
+    assert lookup("rtx4090").memory_gb == 24
+    assert all(a.peak_tflops < 2500 for a in ACCELERATORS.values())  # no "with sparsity" figures
+
+
+def test_memory_model_by_hand():
+    w = Workload(params=7e9, shape=None, tokens=1e9, seq_len=2048, micro_batch=1, gradient_checkpointing=False)
+    assert model_states_gb(w, "ddp", 8)[0] == pytest.approx(112.0)
+    assert model_states_gb(w, "zero1", 8)[0] == pytest.approx(28 + 10.5)
+    assert model_states_gb(w, "zero2", 8)[0] == pytest.approx(14 + 12.25)
+    assert model_states_gb(w, "zero3", 8)[0] == pytest.approx(14.0)
+    assert model_states_gb(w, "zero3_offload", 8)[1] == pytest.approx(112.0)
+    lora = Workload(7e9, None, 1e9, 2048, 1, False, lora_params=40e6)
+    assert model_states_gb(lora, "ddp", 8)[0] == pytest.approx(14 + 0.64)
+    assert model_states_gb(lora, "fsdp", 8)[0] == pytest.approx((14 + 0.64) / 8)
+
+
+def test_seed_example_7b_100b_tokens_on_4_rtx4090_fsdp(capsys):
+    """The seed chapter printed 22.8 hours and $72 for this; the real figure is ~200x that."""
+    main(["--params", "7e9", "--tokens", "100e9", "--gpu", "RTX 4090", "--gpus", "4", "--strategy", "fsdp", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    fsdp = next(r for r in result["rows"] if r["strategy"] == "fsdp")
+    assert result["total_flops"] == pytest.approx(6 * 7e9 * 100e9)
+    seconds = 6 * 7e9 * 100e9 / (4 * 165e12 * ASSUMED_MFU["fsdp"])
+    assert fsdp["hours"] == pytest.approx(seconds / 3600)          # ~5,050 h = 210 days
+    assert fsdp["cost"] == pytest.approx(seconds / 3600 * 4 * 0.8)  # ~$16,000
+    assert fsdp["states_gb"] == pytest.approx(28.0) and not fsdp["fits"]  # 16 B/param / 4 GPUs > 24 GB
+    assert result["recommended"] in ("fsdp_offload", "zero3_offload")
+    main(["--params", "7e9", "--tokens", "100e9", "--gpu", "RTX 4090", "--gpus", "4", "--strategy", "fsdp"])
+    text = capsys.readouterr().out
+    assert "fsdp: DOES NOT FIT (30.0 GB needed of 24 GB per GPU), 210.4 days, $16,162" in text
+
+
+def test_recipe_plan_and_measured_mfu(tmp_path, capsys):
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"results": [{"strategy": "ddp", "mfu": 0.5}]}))
+    main(["--recipe", "recipes/qwen2.5-7b/lora_sft.yaml", "--tokens", "1e9", "--gpu", "H100", "--gpus", "8",
+          "--bench", str(bench), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    ddp = next(r for r in result["rows"] if r["strategy"] == "ddp")
+    assert ddp["mfu"] == 0.5 and ddp["mfu_source"].startswith("measured")
+    assert ddp["fits"] and result["recommended"] == "ddp"  # LoRA on 7B: replicas fit an 80 GB card
+    assert "LoRA r=16" in result["model"]

@@ -1,0 +1,51 @@
+"""Two "nodes" on one machine: two `make train-<strategy> NODES=2 NODE_RANK=r` launches on loopback, one
+process each, exactly the per-node commands a cluster runs. Results must equal a one-node run with the
+same global batch."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from disttrain.metrics import read_metrics
+
+pytestmark = pytest.mark.launch
+
+
+def make_node(strategy, rank, port, recipe, timeout_s=120):
+    cmd = ["make", "-s", f"train-{strategy}", "NODES=2", f"NODE_RANK={rank}", "GPUS=1", "MASTER_ADDR=127.0.0.1",
+           f"MASTER_PORT={port}", f"RDZV_TIMEOUT={timeout_s}", f"RECIPE={recipe}"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_nodes_train_like_one(strategy, tmp_path, tiny_model_dir):
+    training = {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr_scheduler": "cosine"}
+    one = write_recipe(tmp_path / "one.yaml", base_recipe(tiny_model_dir, tmp_path / "one", training=training))
+    two = write_recipe(tmp_path / "two.yaml", base_recipe(tiny_model_dir, tmp_path / "two", training=training))
+    assert_ok(launch(strategy, one))
+
+    port = free_port()
+    nodes = [make_node(strategy, rank, port, two) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    assert "processes=2" in outputs[0][0]
+    single = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
+    multi = [r["loss"] for r in read_metrics(tmp_path / "two") if "loss" in r]
+    assert multi == pytest.approx(single, rel=1e-5)
+    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+
+
+def test_wrong_master_address_fails_fast_with_the_address(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(tiny_model_dir, tmp_path / "out"))
+    port = free_port()  # nobody listens there: node 1 can never join
+    started = time.time()
+    node = make_node("ddp", 1, port, recipe, timeout_s=10)
+    out, err = node.communicate(timeout=120)
+    assert node.returncode != 0
+    assert time.time() - started < 90, "did not respect RDZV_TIMEOUT"
+    assert f"timed out after 10000ms while trying to connect to (127.0.0.1, {port})" in err
