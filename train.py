@@ -81,6 +81,7 @@ def main(argv=None):
     assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
+    flops_meter, peak = outputs.throughput_setup(accelerator, recipe, model)
 
     # 6. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
     state = loop.TrainState()
@@ -98,7 +99,7 @@ def main(argv=None):
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape)
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
-                       checkpointer=checkpointer)
+                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak)
     log.close()
     if state.step < total_steps:
         accelerator.print(f"stopped at step {state.step}/{total_steps}; checkpoint {checkpointer.last_saved}. "

@@ -21,6 +21,8 @@ from disttrain.errors import DataError
 
 IGNORE_INDEX = -100
 LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop before the forward pass
+SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY)
 
 # Used only when the tokenizer has no chat template (base models).
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
@@ -201,11 +203,12 @@ class Collator:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         packed = "position_ids" in rows[0]
         batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): [],
-                 LENGTHS_KEY: []}
+                 LENGTHS_KEY: [], SQUARES_KEY: []}
         for r in rows:
             n = len(r["input_ids"])
             pad = longest - n
             batch[LENGTHS_KEY].append(n)
+            batch[SQUARES_KEY].append(_sum_of_squared_segments(r["position_ids"]) if packed else n * n)
             batch["input_ids"].append(list(r["input_ids"]) + [self.pad_token_id] * pad)
             batch["labels"].append(list(r["labels"]) + [IGNORE_INDEX] * pad)
             if packed:
@@ -213,6 +216,17 @@ class Collator:
             else:
                 batch["attention_mask"].append([1] * n + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def _sum_of_squared_segments(position_ids) -> int:
+    """Attention cost of a packed row: each example attends only within itself."""
+    total, length = 0, 0
+    for pos in position_ids:
+        if pos == 0 and length:
+            total += length * length
+            length = 0
+        length += 1
+    return total + length * length
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:

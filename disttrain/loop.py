@@ -17,7 +17,7 @@ from itertools import islice
 
 import torch
 
-from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _window_denominator(window: list[dict], accelerator) -> tuple[torch.Tensor, 
 
 
 def _forward(model, batch: dict, num_items_in_batch=None):
-    inputs = {k: v for k, v in batch.items() if k != LENGTHS_KEY}
+    inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
     return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False)
 
 
@@ -99,44 +99,67 @@ class _Window:
     """Running sums between two log lines. They stay on the device (no host sync in the step loop) and are
     gathered across ranks only when a line is written."""
 
-    def __init__(self, device):
-        self.device = device
+    FIELDS = ("loss_sum", "targets", "tokens", "padded_tokens", "flops", "data_wait_s", "peak_mem_gb")
+
+    def __init__(self, device, meter=None, peak_flops: float | None = None):
+        self.device, self.meter, self.peak_flops = device, meter, peak_flops
         self.reset()
 
     def reset(self):
-        self.sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, targets, tokens
+        self.sums = torch.zeros(len(self.FIELDS), device=self.device, dtype=torch.float64)
         self.steps = 0
+        self.data_wait = 0.0
         self.started = time.perf_counter()
 
-    def add_micro(self, loss_sum: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor):
-        self.sums += torch.stack([loss_sum.double(), targets.double(), tokens.double()])
+    def add_micro(self, loss_sum: torch.Tensor, batch: dict):
+        flops = self.meter.batch_flops(batch) if self.meter else 0.0
+        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), batch["input_ids"].numel(), flops]
+        self.sums[:5] += torch.stack([torch.as_tensor(v, device=self.device).double() for v in values])
 
     def summarize(self, accelerator) -> dict:
-        per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, 3)  # one collective per log line
-        rank_loss = per_rank[:, 0] / per_rank[:, 1].clamp(min=1)
+        from disttrain.throughput import peak_memory_gb
+
+        self.sums[5] = self.data_wait
+        self.sums[6] = peak_memory_gb(self.device)
+        per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
+        f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
+        rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
         elapsed = time.perf_counter() - self.started
-        total_tokens = float(per_rank[:, 2].sum())
-        return {
-            "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum().clamp(min=1)),
+        devices = per_rank.shape[0]
+        record = {
+            "loss": float(f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)),
             "loss_rank_min": float(rank_loss.min()),
             "loss_rank_max": float(rank_loss.max()),
             "step_time_s": elapsed / max(self.steps, 1),
-            "tokens_per_s": total_tokens / elapsed,
-            "target_tokens": int(per_rank[:, 1].sum()),
-            "tokens": int(total_tokens),
+            "tokens_per_s": float(f["tokens"].sum()) / elapsed,
+            "tokens_per_s_per_device": float(f["tokens"].sum()) / elapsed / devices,
+            "padded_tokens_per_s_per_device": float(f["padded_tokens"].sum()) / elapsed / devices,
+            "data_wait_share": float(f["data_wait_s"].max()) / elapsed,
+            "peak_mem_gb": float(f["peak_mem_gb"].max()),
+            "target_tokens": int(f["targets"].sum()),
+            "tokens": int(f["tokens"].sum()),
         }
+        if self.meter is not None:
+            tflops = float(f["flops"].sum()) / elapsed / devices / 1e12
+            record["tflops_per_device"] = tflops
+            if self.peak_flops:
+                record["mfu"] = tflops * 1e12 / self.peak_flops
+                record["peak_tflops_per_device"] = self.peak_flops / 1e12
+        return record
 
 
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log, state: TrainState,
-          total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None) -> TrainState:
+          total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
+          flops_meter=None, peak_flops: float | None = None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
     `checkpointer` (due(step) / save(state)) writes checkpoints. A log line is always written at a
-    checkpoint, so a resumed run's metrics continue without a seam.
+    checkpoint, so a resumed run's metrics continue without a seam. `flops_meter` and `peak_flops` add
+    TFLOPS per device and MFU to the log lines.
     """
     ga = accelerator.gradient_accumulation_steps
-    window = _Window(accelerator.device)
+    window = _Window(accelerator.device, flops_meter, peak_flops)
     model.train()
     while state.step < total_steps:
         state.epoch = state.step // per_epoch
@@ -144,7 +167,9 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
         consumed = (state.step % per_epoch) * ga  # non-zero only right after a mid-epoch resume
         batches = iter(accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader)
         for _ in range(state.step % per_epoch, per_epoch):
+            fetch_started = time.perf_counter()
             micro_batches = list(islice(batches, ga))
+            window.data_wait += time.perf_counter() - fetch_started
             denominator, stop = _window_denominator(micro_batches, accelerator)
             for batch in micro_batches:
                 with accelerator.accumulate(model):
@@ -154,7 +179,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
                         grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                window.add_micro(loss.detach() * denominator, count_targets(batch), batch[LENGTHS_KEY].sum())
+                window.add_micro(loss.detach() * denominator, batch)
             scheduler.step()
             state.step += 1
             window.steps += 1

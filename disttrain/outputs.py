@@ -68,3 +68,24 @@ def tracker_config(recipe: Recipe) -> dict:
 def tracker_init_kwargs(recipe: Recipe) -> dict:
     name = recipe.logging.run_name or Path(recipe.output.dir).name
     return {"wandb": {"name": name}}
+
+
+def throughput_setup(accelerator, recipe: Recipe, model):
+    """FLOPs meter for this model (LoRA-aware) and the peak FLOP/s that MFU is measured against."""
+    import torch
+
+    from disttrain.flops import shape_from_config
+    from disttrain.modeling import count_parameters
+    from disttrain.throughput import FlopsMeter, peak_flops
+
+    unwrapped = accelerator.unwrap_model(model)
+    config = getattr(unwrapped, "config", None)
+    if hasattr(unwrapped, "get_base_model"):  # peft: the architecture is the base model's
+        config = unwrapped.get_base_model().config
+    _, trainable = count_parameters(unwrapped)
+    meter = FlopsMeter(shape_from_config(config), trainable if recipe.lora else None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.training.mixed_precision, torch.float32)
+    peak, source = peak_flops(accelerator.device, dtype)
+    accelerator.print(f"run: {meter.dense_per_token / 1e6:.2f} MFLOPs/token (dense); MFU against "
+                      f"{peak / 1e12:.3g} TFLOP/s per device ({source})")
+    return meter, peak

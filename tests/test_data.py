@@ -135,6 +135,9 @@ def test_collator_pads_right_and_counts(tokenizer):
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
     assert batch["num_tokens"].tolist() == [3, 2]
+    assert batch["seq_len_sq"].tolist() == [9, 4]
+    packed = Collator(0)([{"input_ids": [1, 2, 3, 4, 5], "labels": [-100] * 5, "position_ids": [0, 1, 2, 0, 1]}])
+    assert packed["seq_len_sq"].tolist() == [3 * 3 + 2 * 2]  # examples attend within themselves only
     assert int(count_targets(batch)) == 3
 
 

@@ -43,7 +43,16 @@ def test_ddp_trains_logs_and_exports_a_loadable_model(tmp_path, tiny_model_dir):
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
     assert [r["step"] for r in evals] == [6, 12]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, "loss did not fall"
+    from disttrain.flops import shape_from_config
+    from transformers import AutoConfig
+    dense = 6 * shape_from_config(AutoConfig.from_pretrained(tiny_model_dir)).matmul_params
     for r in train:
+        # model FLOPs: at least the dense part for the tokens processed (attention adds a little)
+        flops = r["tflops_per_device"] * 1e12 * r["step_time_s"] * 2 * 2  # 2 steps per line, 2 devices
+        assert dense * r["tokens"] <= flops * 1.001 < dense * r["tokens"] * 1.5
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops_per_device"])
+        assert 0 < r["data_wait_share"] < 1 and r["peak_mem_gb"] > 0
+        assert r["tokens_per_s_per_device"] <= r["padded_tokens_per_s_per_device"]
         assert r["loss_rank_min"] <= r["loss"] <= r["loss_rank_max"]
         assert r["loss_rank_min"] < r["loss_rank_max"]  # different data on each rank
         assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0

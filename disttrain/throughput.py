@@ -1,0 +1,82 @@
+"""Model FLOPs of what a rank really processed, and the peak they are measured against (MFU).
+
+FLOPs per micro-batch = dense FLOPs/token x non-padding tokens + attention coefficient x sum over
+sequences of length^2 (packed examples counted separately: they do not attend to each other). Padding is
+not counted: MFU here is useful work. Peak: the dense bf16 figure of the device from disttrain/hardware.py
+when its name is known, else (CPUs, unknown GPUs) a timed matmul at the run's dtype, labelled "measured".
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from disttrain.data import LENGTHS_KEY, SQUARES_KEY
+from disttrain.flops import ModelShape
+from disttrain.hardware import ACCELERATORS
+
+# torch device-name fragments -> hardware table entry; the more specific first (A100 before A10 ...)
+_NAME_PATTERNS = [(("H100", "PCIE"), "H100-PCIe"), (("H100", "NVL"), "H100-NVL"), (("H100",), "H100"),
+                  (("H200",), "H200"), (("B200",), "B200"), (("A100",), "A100"), (("L40S",), "L40S"),
+                  (("L4",), "L4"), (("A10",), "A10"), (("4090",), "RTX 4090"), (("3090",), "RTX 3090"),
+                  (("A6000",), "A6000"), (("V100",), "V100"), (("MI250X",), "MI250X"), (("MI300X",), "MI300X")]
+
+
+def table_peak(device_name: str) -> float | None:
+    """Dense bf16 FLOP/s of a known accelerator, from its torch device name."""
+    upper = device_name.upper()
+    for fragments, key in _NAME_PATTERNS:
+        if all(f in upper for f in fragments):
+            return ACCELERATORS[key].peak_tflops * 1e12
+    return None
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a square matmul on this device and dtype (best of `repeats`)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak(name)
+        if peak is not None:
+            return peak, f"{name} datasheet"
+        return measured_peak(device, dtype), f"{name} measured peak"
+    return measured_peak(device, dtype), f"{device.type} measured peak"
+
+
+class FlopsMeter:
+    def __init__(self, shape: ModelShape, trainable_params: int | None):
+        """`trainable_params` for LoRA (frozen weights: 4 FLOPs/weight/token instead of 6), None for full."""
+        if trainable_params is None:
+            self.dense_per_token = 6.0 * shape.matmul_params
+        else:
+            self.dense_per_token = 4.0 * shape.matmul_params + 6.0 * trainable_params
+        self.attention_coefficient = 12.0 * shape.layers * shape.heads * shape.head_dim
+
+    def batch_flops(self, batch: dict) -> torch.Tensor:
+        return (self.dense_per_token * batch[LENGTHS_KEY].sum().double()
+                + self.attention_coefficient * batch[SQUARES_KEY].sum().double())
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated memory on a GPU; resident set size of this process on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e9
