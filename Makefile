@@ -33,7 +33,7 @@ LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume cost clean
+	test preflight resume cost bench bench-overhead clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -85,6 +85,15 @@ resume: tiny ## resume RECIPE under STRATEGY from the newest complete checkpoint
 
 preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrunk model (before renting GPUs)
 	$(PY) -m disttrain.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)
+
+BENCH_STRATEGIES ?= ddp,fsdp,zero1,zero2,zero3,zero3_offload
+STEPS       ?= 30
+
+bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/results.{json,md,png}
+	$(PY) -m disttrain.bench --recipe $(RECIPE) --strategies $(BENCH_STRATEGIES) --steps $(STEPS) --nproc $(GPUS) $(ARGS)
+
+bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same data and batch -> bench/overhead/
+	$(PY) -m disttrain.bench_overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
 
 cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --tokens 1e9 --gpu H100 --gpus 8'
 	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)

@@ -1,0 +1,50 @@
+"""`make bench` and `make bench-overhead` run end to end and write their files (no timing assertions:
+speed belongs in the benchmark's output, not in pass/fail)."""
+
+import json
+
+import pytest
+
+from conftest import REPO
+from disttrain.bench import main as bench_main
+from disttrain.bench import summarize
+from disttrain.bench_overhead import main as overhead_main
+
+pytestmark = pytest.mark.launch
+
+
+def test_bench_writes_results_for_each_strategy(tmp_path, tiny_model_dir):
+    out = tmp_path / "bench"
+    bench_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--strategies", "ddp,zero2", "--steps", "6",
+                "--warmup", "2", "--out", str(out), f"model.name_or_path={tiny_model_dir}"])
+    results = json.loads((out / "results.json").read_text())
+    assert [r["strategy"] for r in results["results"]] == ["ddp", "zero2"]
+    for r in results["results"]:
+        assert r["steps"] == 4 and r["devices"] == 2
+        assert r["tokens_per_s_per_device"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_gb"] > 0
+        assert r["step_time_p50_s"] <= r["step_time_p90_s"]
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / results["results"][0]["peak_tflops_per_device"])
+    assert "| zero2 |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
+
+
+def test_summary_weights_windows_by_their_steps():
+    records = [{"step": s, "step_time_s": 0.5, "tokens": 100 * n, "tokens_per_s": 1, "tokens_per_s_per_device": 0.5,
+                "tflops_per_device": 2.0, "peak_tflops_per_device": 10.0, "peak_mem_gb": 1.0,
+                "data_wait_share": 0.1, "loss": 1.0} for s, n in ((2, 2), (6, 4), (10, 4))]
+    row = summarize("ddp", records, warmup=2)
+    assert row["steps"] == 2
+    assert row["tokens_per_s_per_device"] == pytest.approx(800 / 4.0 / 2)  # 8 steps x 0.5 s, 2 devices
+    assert row["mfu"] == pytest.approx(0.2)
+
+
+def test_bench_overhead_compares_three_runners(tmp_path, tiny_model_dir):
+    out = tmp_path / "overhead"
+    overhead_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--steps", "8", "--warmup", "4",
+                   "--out", str(out), f"model.name_or_path={tiny_model_dir}"])
+    result = json.loads((out / "overhead.json").read_text())
+    assert set(result["tokens_per_s_per_device"]) == {"disttrain", "raw_ddp", "hf_trainer"}
+    assert all(v > 0 for v in result["tokens_per_s_per_device"].values())
+    assert result["disttrain_over_raw"] == pytest.approx(
+        result["tokens_per_s_per_device"]["disttrain"] / result["tokens_per_s_per_device"]["raw_ddp"])
+    assert "a/b =" in (out / "overhead.md").read_text()
