@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.throughput import mfu_band
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
@@ -91,10 +92,11 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['tokens_per_s_per_device']:,.0f} | {r['tflops_per_device']:.4g} | "
-                     f"{r['mfu']:.1%} | {r['peak_mem_gb']:.2f} | {r['step_time_p50_s']:.4f} | "
+                     f"{r['mfu']:.1%} ({mfu_band(r['mfu'])}) | {r['peak_mem_gb']:.2f} | {r['step_time_p50_s']:.4f} | "
                      f"{r['step_time_p90_s']:.4f} | {r['data_wait_share']:.1%} |")
     lines += ["", f"MFU is measured against {rows[0]['peak_tflops_per_device']:.4g} TFLOP/s per device "
-              f"({meta['peak_source']})."]
+              f"({meta['peak_source']}). Bands: <15 % problem, 15-30 % normal, 30-45 % good, 45-55 % excellent, "
+              ">55 % near the limit."]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -99,7 +99,8 @@ class _Window:
     """Running sums between two log lines. They stay on the device (no host sync in the step loop) and are
     gathered across ranks only when a line is written."""
 
-    FIELDS = ("loss_sum", "targets", "tokens", "padded_tokens", "flops", "data_wait_s", "peak_mem_gb")
+    FIELDS = ("loss_sum", "targets", "tokens", "padded_tokens", "flops", "recompute_flops", "data_wait_s",
+              "peak_mem_gb")
 
     def __init__(self, device, meter=None, peak_flops: float | None = None):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
@@ -113,14 +114,16 @@ class _Window:
 
     def add_micro(self, loss_sum: torch.Tensor, batch: dict):
         flops = self.meter.batch_flops(batch) if self.meter else 0.0
-        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), batch["input_ids"].numel(), flops]
-        self.sums[:5] += torch.stack([torch.as_tensor(v, device=self.device).double() for v in values])
+        recompute = self.meter.recompute_flops(batch) if self.meter else 0.0
+        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), batch["input_ids"].numel(), flops,
+                  recompute]
+        self.sums[:6] += torch.stack([torch.as_tensor(v, device=self.device).double() for v in values])
 
     def summarize(self, accelerator) -> dict:
         from disttrain.throughput import peak_memory_gb
 
-        self.sums[5] = self.data_wait
-        self.sums[6] = peak_memory_gb(self.device)
+        self.sums[6] = self.data_wait
+        self.sums[7] = peak_memory_gb(self.device)
         per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
@@ -145,6 +148,9 @@ class _Window:
             if self.peak_flops:
                 record["mfu"] = tflops * 1e12 / self.peak_flops
                 record["peak_tflops_per_device"] = self.peak_flops / 1e12
+                if self.meter.recompute:  # hardware FLOPs utilisation: the recomputed forward included
+                    record["hfu"] = float(f["flops"].sum() + f["recompute_flops"].sum()) / elapsed / devices \
+                        / self.peak_flops
         return record
 
 

@@ -83,7 +83,8 @@ def throughput_setup(accelerator, recipe: Recipe, model):
     if hasattr(unwrapped, "get_base_model"):  # peft: the architecture is the base model's
         config = unwrapped.get_base_model().config
     _, trainable = count_parameters(unwrapped)
-    meter = FlopsMeter(shape_from_config(config), trainable if recipe.lora else None)
+    meter = FlopsMeter(shape_from_config(config), trainable if recipe.lora else None,
+                       recompute=recipe.model.gradient_checkpointing)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.training.mixed_precision, torch.float32)
     peak, source = peak_flops(accelerator.device, dtype)
     accelerator.print(f"run: {meter.dense_per_token / 1e6:.2f} MFLOPs/token (dense); MFU against "

@@ -60,17 +60,36 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 
 class FlopsMeter:
-    def __init__(self, shape: ModelShape, trainable_params: int | None):
-        """`trainable_params` for LoRA (frozen weights: 4 FLOPs/weight/token instead of 6), None for full."""
+    def __init__(self, shape: ModelShape, trainable_params: int | None, recompute: bool = False):
+        """`trainable_params` for LoRA (frozen weights: 4 FLOPs/weight/token instead of 6), None for full;
+        `recompute`: activation checkpointing runs the forward pass twice (counted in HFU, not in MFU)."""
         if trainable_params is None:
             self.dense_per_token = 6.0 * shape.matmul_params
         else:
             self.dense_per_token = 4.0 * shape.matmul_params + 6.0 * trainable_params
         self.attention_coefficient = 12.0 * shape.layers * shape.heads * shape.head_dim
+        self.forward_dense_per_token = 2.0 * shape.matmul_params
+        self.recompute = recompute
 
     def batch_flops(self, batch: dict) -> torch.Tensor:
+        """Model FLOPs (what MFU counts) of one micro-batch."""
         return (self.dense_per_token * batch[LENGTHS_KEY].sum().double()
                 + self.attention_coefficient * batch[SQUARES_KEY].sum().double())
+
+    def recompute_flops(self, batch: dict) -> torch.Tensor:
+        """Extra hardware FLOPs of re-running the forward pass (a third of the attention term)."""
+        if not self.recompute:
+            return torch.zeros((), dtype=torch.float64)
+        return (self.forward_dense_per_token * batch[LENGTHS_KEY].sum().double()
+                + self.attention_coefficient / 3 * batch[SQUARES_KEY].sum().double())
+
+
+MFU_BANDS = ((0.15, "problem"), (0.30, "normal"), (0.45, "good"), (0.55, "excellent"), (float("inf"), "near the limit"))
+
+
+def mfu_band(mfu: float) -> str:
+    """The seed chapter's reading of an MFU figure (<15 % problem ... >55 % near the limit)."""
+    return next(label for bound, label in MFU_BANDS if mfu < bound)
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -3,7 +3,7 @@ import torch
 
 from disttrain.data import Collator
 from disttrain.flops import ModelShape
-from disttrain.throughput import FlopsMeter, measured_peak, table_peak
+from disttrain.throughput import FlopsMeter, measured_peak, mfu_band, table_peak
 
 
 @pytest.mark.parametrize("name, tflops", [
@@ -28,3 +28,17 @@ def test_batch_flops_by_hand():
     assert float(full) == 6 * 800 * 5 + 12 * 2 * 4 * 8 * (9 + 4)
     lora = FlopsMeter(shape, trainable_params=10).batch_flops(batch)
     assert float(lora) == (4 * 800 + 6 * 10) * 5 + 12 * 2 * 4 * 8 * (9 + 4)
+
+
+def test_recompute_counts_in_hfu_only():
+    shape = ModelShape(params=1000, matmul_params=800, layers=2, heads=4, head_dim=8, hidden=32, vocab=50)
+    batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
+    meter = FlopsMeter(shape, None, recompute=True)
+    assert float(meter.batch_flops(batch)) == 6 * 800 * 3 + 12 * 2 * 4 * 8 * 9  # MFU: unchanged
+    assert float(meter.recompute_flops(batch)) == 2 * 800 * 3 + 4 * 2 * 4 * 8 * 9  # one more forward
+    assert float(FlopsMeter(shape, None).recompute_flops(batch)) == 0
+
+
+def test_mfu_bands():
+    assert [mfu_band(x) for x in (0.05, 0.2, 0.4, 0.5, 0.6)] == ["problem", "normal", "good", "excellent",
+                                                                 "near the limit"]
