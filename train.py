@@ -112,6 +112,7 @@ def main(argv=None):
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe),
                                 merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
+    accelerator.wait_for_everyone()  # leave together: a rank tearing down early can abort a slower one
     accelerator.end_training()
     return state
 

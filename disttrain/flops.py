@@ -25,6 +25,22 @@ class ModelShape:
     vocab: int
 
 
+def _numel(p) -> int:
+    return getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps an empty local placeholder; DTensors are global
+
+
+def shape_from_model(model, config) -> ModelShape:
+    """Counts from a live model (sharded or not); LoRA adapter matrices are not part of N_matmul."""
+    import torch
+
+    params = sum(_numel(p) for n, p in model.named_parameters() if "lora_" not in n)
+    matmul = sum(_numel(m.weight) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(params, matmul, config.num_hidden_layers, heads, head_dim, config.hidden_size, config.vocab_size)
+
+
 def shape_from_config(config) -> ModelShape:
     """Exact counts from an empty (meta-device) instance of the architecture: nothing is allocated."""
     import torch
@@ -32,11 +48,7 @@ def shape_from_config(config) -> ModelShape:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelShape(params, matmul, config.num_hidden_layers, heads, head_dim, config.hidden_size, config.vocab_size)
+    return shape_from_model(model, config)
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:

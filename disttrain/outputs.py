@@ -74,7 +74,7 @@ def throughput_setup(accelerator, recipe: Recipe, model):
     """FLOPs meter for this model (LoRA-aware) and the peak FLOP/s that MFU is measured against."""
     import torch
 
-    from disttrain.flops import shape_from_config
+    from disttrain.flops import shape_from_model
     from disttrain.modeling import count_parameters
     from disttrain.throughput import FlopsMeter, peak_flops
 
@@ -83,7 +83,7 @@ def throughput_setup(accelerator, recipe: Recipe, model):
     if hasattr(unwrapped, "get_base_model"):  # peft: the architecture is the base model's
         config = unwrapped.get_base_model().config
     _, trainable = count_parameters(unwrapped)
-    meter = FlopsMeter(shape_from_config(config), trainable if recipe.lora else None,
+    meter = FlopsMeter(shape_from_model(unwrapped, config), trainable if recipe.lora else None,
                        recompute=recipe.model.gradient_checkpointing)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.training.mixed_precision, torch.float32)
     peak, source = peak_flops(accelerator.device, dtype)

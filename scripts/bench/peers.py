@@ -47,7 +47,14 @@ def raw_loop(args):
                                                               drop_last=True)
     loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
                                          collate_fn=data.Collator(tokenizer.pad_token_id))
-    batches = iter(loader)
+    def forever():
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    batches = forever()
     tokens, started = 0, None
     for step in range(args.steps):
         if step == args.warmup:
