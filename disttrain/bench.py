@@ -13,37 +13,26 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.launcher import REPO, launch_command, run_logged
 from disttrain.throughput import mfu_band
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Path, overrides: list[str],
                  log_every: int = 1) -> list[dict]:
     """One launch; `log_every` > 1 measures with normal logging (windows must align with the warm-up)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / f"{strategy}.yaml"), "--num_processes", str(nproc),
-           "--main_process_port", str(_free_port()), str(REPO / "train.py"), "--recipe", recipe, *overrides,
-           f"training.max_steps={steps}", f"logging.every_steps={log_every}", "logging.report_to=[none]",
-           "training.eval_every=null", "training.stop_at_step=null", f"output.dir={run_dir}", "output.resume=none",
-           "output.checkpoint_every=null", "output.checkpoint_at_end=false", "output.save_final_model=false"]
+    cmd = launch_command(
+        strategy, nproc, "train.py", "--recipe", recipe, *overrides,
+        f"training.max_steps={steps}", f"logging.every_steps={log_every}", "logging.report_to=[none]",
+        "training.eval_every=null", "training.stop_at_step=null", f"output.dir={run_dir}", "output.resume=none",
+        "output.checkpoint_every=null", "output.checkpoint_at_end=false", "output.save_final_model=false")
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (run_dir / "launch.log").write_text(proc.stdout + "\n" + proc.stderr)
+    proc = run_logged(cmd, run_dir / "launch.log")
     if proc.returncode != 0:
         raise DisttrainError(f"bench: {strategy} failed (exit {proc.returncode}); log: {run_dir / 'launch.log'}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from disttrain.bench import REPO, _free_port, run_strategy, summarize
+from disttrain.bench import run_strategy, summarize
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.launcher import launch_command, run_logged
 
 
 def run_peer(mode: str, recipe: str, nproc: int, steps: int, warmup: int, out: Path, overrides) -> float:
     result = out / f"{mode}.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-           "--num_processes", str(nproc), "--main_process_port", str(_free_port()), str(REPO / "scripts/bench/peers.py"),
-           mode, *overrides, "--recipe", recipe, "--steps", str(steps), "--warmup", str(warmup), "--result", str(result)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (out / f"{mode}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    cmd = launch_command("ddp", nproc, "scripts/bench/peers.py", mode, *overrides, "--recipe", recipe,
+                         "--steps", str(steps), "--warmup", str(warmup), "--result", str(result))
+    proc = run_logged(cmd, out / f"{mode}.log")
     if proc.returncode != 0:
         raise DisttrainError(f"bench-overhead: {mode} failed (exit {proc.returncode}); log: {out / f'{mode}.log'}")
     return json.loads(result.read_text())["tokens_per_s_per_device"]

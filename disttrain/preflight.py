@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +22,8 @@ from pathlib import Path
 
 from disttrain.config import LOCAL_DATA_SUFFIXES, Recipe, load_recipe
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.launcher import REPO, launch_command, run_logged
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl"}
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -176,20 +175,18 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
     cpu, notes = cpu_overrides(recipe, model_dir, run_dir, steps)
     for note in notes:
         print(f"       note: {note}")
-    base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-            "--num_processes", str(nproc), "--main_process_port", str(_free_port()),
-            str(REPO / "train.py"), "--recipe", str(recipe_path), *overrides, *cpu]
+    base = launch_command(strategy, nproc, "train.py", "--recipe", str(recipe_path), *overrides, *cpu)
     half = max(1, steps // 2)
 
     # save: stop half-way, as a preempted job would, leaving a checkpoint
-    first = _launch(base + [f"training.stop_at_step={half}", "output.checkpoint_every=1"], work_dir / "save.log")
+    first = run_logged(base + [f"training.stop_at_step={half}", "output.checkpoint_every=1"], work_dir / "save.log")
     checkpoint = run_dir / "checkpoints" / f"step-{half:08d}"
     if not report.add("save", first.returncode == 0 and checkpoint.is_dir(),
                       f"{nproc} processes under {strategy}, stopped at step {half}: {checkpoint.name} written"
                       if first.returncode == 0 else _failure(first, work_dir / "save.log")):
         return report
     # resume: the same command continues from that checkpoint to the end, then exports
-    second = _launch(base + ["output.checkpoint_every=1"], work_dir / "resume.log")
+    second = run_logged(base + ["output.checkpoint_every=1"], work_dir / "resume.log")
     if second.returncode != 0:
         report.add("resume", False, _failure(second, work_dir / "resume.log"))
         return report
@@ -206,24 +203,9 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
     return report
 
 
-def _launch(cmd: list[str], log_path: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    log_path.write_text(proc.stdout + "\n" + proc.stderr)
-    return proc
-
-
 def _failure(proc: subprocess.CompletedProcess, log_path: Path) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "[rank0]:"))]
     return f"exit {proc.returncode}; {errors[-1] if errors else 'see the log'} (full log: {log_path})"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> None:

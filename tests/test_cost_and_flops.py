@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from disttrain.cost import ASSUMED_MFU, Workload, main, model_states_gb, plan
-from disttrain.flops import ModelShape, shape_from_config, training_flops_per_token
+from disttrain.cost import ASSUMED_MFU, Workload, main, model_states_gb
+from disttrain.flops import shape_from_config, training_flops_per_token
 from disttrain.hardware import ACCELERATORS, lookup
 from disttrain.preflight import find_config_dir
 

@@ -1,7 +1,6 @@
 """Exact resume for every strategy: stop mid-epoch with grad_accum > 1, resume, and match an uninterrupted
 run step for step and weight for weight. Plus killed ranks, killed saves and corrupt checkpoints."""
 
-import json
 import shutil
 import signal
 import subprocess
