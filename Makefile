@@ -32,7 +32,7 @@ LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
 	test preflight resume cost bench bench-overhead clean
 
 help: ## list targets and variables
@@ -67,6 +67,9 @@ train-ddp: tiny ## DDP on GPUS processes per node (NODES=… for several nodes)
 
 train-fsdp: tiny ## FSDP2 full shard
 	$(call LAUNCH,fsdp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-fsdp-offload: tiny ## FSDP2 with parameters and optimizer states offloaded to CPU
+	$(call LAUNCH,fsdp_offload) train.py --recipe $(RECIPE) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)
