@@ -25,16 +25,17 @@ class ModelShape:
     vocab: int
 
 
-def _numel(p) -> int:
-    return getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps an empty local placeholder; DTensors are global
+def numel(p) -> int:
+    """Full size of a parameter: ZeRO-3 keeps an empty local placeholder (ds_numel); DTensors are global."""
+    return getattr(p, "ds_numel", p.numel())
 
 
 def shape_from_model(model, config) -> ModelShape:
     """Counts from a live model (sharded or not); LoRA adapter matrices are not part of N_matmul."""
     import torch
 
-    params = sum(_numel(p) for n, p in model.named_parameters() if "lora_" not in n)
-    matmul = sum(_numel(m.weight) for name, m in model.named_modules()
+    params = sum(numel(p) for n, p in model.named_parameters() if "lora_" not in n)
+    matmul = sum(numel(m.weight) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lora_" not in name)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -74,11 +74,11 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
 
 
 def count_parameters(model) -> tuple[int, int]:
+    from disttrain.flops import numel
+
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel()
-        if hasattr(p, "ds_numel"):  # ZeRO-3 keeps a 0-size placeholder locally
-            n = p.ds_numel
+        n = numel(p)
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable

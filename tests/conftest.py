@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from disttrain.launcher import free_port  # noqa: E402  (re-exported for the tests)
 
 # Offline and quiet: the Hub is unreachable here, and tests must never try it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,12 +58,6 @@ def base_recipe(model_dir: Path, out_dir: Path, **sections) -> dict:
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(config: str, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
