@@ -27,13 +27,15 @@ HOSTFILE    ?=
 
 # One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
 # configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
-LAUNCH = $(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
+# Node 0 first checks that the rendezvous port is free and names its owner if not (disttrain/ports.py).
+LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
+	$(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume cost bench bench-overhead clean
+	test preflight resume doctor diagnose cost bench bench-overhead clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -45,6 +47,7 @@ help: ## list targets and variables
 	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
+	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
 
@@ -97,6 +100,14 @@ bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/re
 
 bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same data and batch -> bench/overhead/
 	$(PY) -m disttrain.bench_overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
+
+doctor: setup ## RECIPE's machine: GPUs, CUDA/NCCL, libraries, disk, /dev/shm, limits, network + all_reduce/all_gather bandwidth
+	$(PY) -m disttrain.doctor --nproc $(GPUS) --nodes $(NODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) \
+		$(if $(filter-out 1,$(NODES)),--master-port $(MASTER_PORT)) --recipe $(RECIPE) $(ARGS)
+
+diagnose: setup ## name the failure in a log file or output dir: make diagnose LOG=path
+	@test -n "$(LOG)" || { echo "error: give LOG=path (a log file, a directory of rank logs, or a run's output dir)" >&2; exit 2; }
+	$(PY) -m disttrain.diagnose $(LOG) $(ARGS)
 
 cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --tokens 1e9 --gpu H100 --gpus 8'
 	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from disttrain import guards
 from disttrain.errors import DataError, exit_on_user_error
 
 
@@ -33,6 +34,7 @@ def main(argv=None):
 
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
+    guards.watch(recipe.distributed.timeout_s)  # a stuck rank says where it is stuck, before the timeout
 
     from accelerate.utils import set_seed
 
@@ -44,6 +46,8 @@ def main(argv=None):
     strategy = launcher_strategy()
     compat.check(recipe, strategy, has_gpu())
     compat.check_trackers(recipe.logging.report_to)
+    compat.check_zero3_export(recipe, strategy)
+    guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     cfg = recipe.training
     shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,
@@ -53,9 +57,10 @@ def main(argv=None):
         checkpoint.verify(resume_from)
         saved_state = checkpoint.check_shape(resume_from, shape)
     set_seed(cfg.seed)  # identical model init (and LoRA init) on every rank
-    outputs.start(accelerator, recipe)
+    outputs.start(accelerator, recipe, resuming=resume_from is not None)
 
     # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others.
+    guards.at("tokenising on the main process first (the other ranks wait for it)")
     tokenizer = modeling.load_tokenizer(recipe.model)
     train_set, eval_set, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
                                                        accelerator.main_process_first)
@@ -70,6 +75,7 @@ def main(argv=None):
     total_steps = cfg.max_steps or per_epoch * cfg.epochs
 
     # 5. Model, optimizer, schedule, loaders -> prepared for the chosen strategy.
+    guards.at("loading the model")
     model = modeling.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
                                 local_device=accelerator.local_process_index if has_gpu() else None)
     optimizer = optim.build_optimizer(model, cfg)
@@ -77,6 +83,8 @@ def main(argv=None):
     collator = data.Collator(tokenizer.pad_token_id)
     train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
     eval_loader = data.make_loader(eval_set, cfg.micro_batch_size, collator, False, False) if eval_set else None
+    guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
+    guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
@@ -87,6 +95,7 @@ def main(argv=None):
     # 6. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
     state = loop.TrainState()
     if resume_from is not None:
+        guards.at("loading the checkpoint")
         accelerator.load_state(str(resume_from))
         state.load_state_dict(saved_state)
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{total_steps}")
@@ -100,7 +109,8 @@ def main(argv=None):
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape)
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
-                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak)
+                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
+                       distributed=recipe.distributed)
     log.close()
     if state.step < total_steps:
         accelerator.print(f"stopped at step {state.step}/{total_steps}; checkpoint {checkpointer.last_saved}. "
@@ -110,16 +120,18 @@ def main(argv=None):
 
     # 8. Export a standard HF model dir (full weights, or the LoRA adapter).
     if recipe.output.save_final_model:
+        guards.at("exporting the final model", state.step)
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe),
                                 merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
+    guards.at("waiting for all ranks to finish", state.step)
     accelerator.wait_for_everyone()  # leave together: a rank tearing down early can abort a slower one
     accelerator.end_training()
     return state
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
+    with exit_on_user_error(), guards.collective_failures_explained():
         main(sys.argv[1:])
     # Everything is written and the process group and trackers are closed. Skip interpreter teardown:
     # there a C++ thread of the distributed stack sometimes aborts a finished rank ("terminate called

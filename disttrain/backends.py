@@ -38,7 +38,7 @@ def _wandb_offline_without_key(report_to: list[str]) -> None:
             os.environ.setdefault("WANDB_MODE", "offline")
 
 
-def build_accelerator(recipe: Recipe, timeout_s: int = 1800):
+def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
                                   ProjectConfiguration)
@@ -48,7 +48,8 @@ def build_accelerator(recipe: Recipe, timeout_s: int = 1800):
     report_to = [t for t in recipe.logging.report_to if t != "none"]
     _wandb_offline_without_key(report_to)
 
-    pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))
+    # how long a rank waits in a collective for the others (guards.py turns a timeout into one clear line)
+    pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
     if not gpu and strategy == "deepspeed":
         pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
     kwargs = dict(

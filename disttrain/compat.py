@@ -6,6 +6,10 @@ what was tested are in docs/strategies.md ("Compatibility matrix"); keep the two
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from disttrain.config import Recipe
 from disttrain.errors import DisttrainError
 
@@ -28,6 +32,25 @@ def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     if m.attn_implementation.startswith("flash_attention") and not gpu:
         raise DisttrainError(f"model.attn_implementation={m.attn_implementation} needs a CUDA GPU with "
                              "flash-attn installed; use sdpa")
+
+
+def check_zero3_export(recipe: Recipe, strategy: str) -> None:
+    """ZeRO-3 can only export the final model if it gathers the 16-bit weights on save. Without the setting the
+    run would train for hours and then fail at the very end; say so before the first step."""
+    if strategy != "deepspeed" or not recipe.output.save_final_model:
+        return
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    if config_file and config_file != "none" and Path(config_file).is_file():
+        zero = json.loads(Path(config_file).read_text()).get("zero_optimization", {})
+        stage, gather = zero.get("stage"), zero.get("stage3_gather_16bit_weights_on_model_save", False)
+    else:
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
+        gather = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() == "true"
+        config_file = "the accelerate config (zero3_save_16bit_model)"
+    if stage == 3 and gather is not True:
+        raise DisttrainError(f"{config_file}: ZeRO-3 with stage3_gather_16bit_weights_on_model_save unset or false "
+                             "cannot export the final model (no rank holds all weights): set it to true, or set "
+                             "output.save_final_model=false and convert checkpoints with zero_to_fp32.py")
 
 
 def check_trackers(report_to: list[str]) -> None:

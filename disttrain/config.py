@@ -102,12 +102,22 @@ class OutputSection(_Section):
     resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
 
 
+class DistributedSection(_Section):
+    timeout_s: int = Field(1800, ge=1, description="Process-group timeout: how long a rank waits in a collective "
+                           "for the others (raise it when tokenising a huge dataset on the main process)")
+    check_replicas_every: int | None = Field(200, ge=1, description="Optimizer steps between parameter checksum "
+                                             "comparisons across ranks while weights are replicated (DDP, ZeRO-1/2)")
+    loss_spread_warning: float | None = Field(0.5, gt=0, description="Warn when per-rank losses of a log window "
+                                              "differ by more than this fraction of the mean loss")
+
+
 class Recipe(_Section):
     model: ModelSection
     data: DataSection
     training: TrainingSection = TrainingSection()
     lora: LoraSection | None = None
     logging: LoggingSection = LoggingSection()
+    distributed: DistributedSection = DistributedSection()
     output: OutputSection
 
     @model_validator(mode="after")
@@ -162,7 +172,7 @@ def _describe(error: dict, overridden: set[str]) -> str:
     where = " (set on the command line)" if key in overridden else ""
     message = error["msg"]
     if error["type"] == "extra_forbidden":
-        message = "unknown key; check the spelling against recipes/README.md"
+        message = "unknown key; check the spelling against the recipe fields in README.md"
     elif "input" in error and error["type"] != "missing":
         message += f" (got {error['input']!r})"
     return f"{key}{where}: {message}"

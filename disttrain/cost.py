@@ -147,6 +147,15 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes), title
 
 
+def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
+    """The recipe's model (from its shipped config.json), LoRA and sequence settings; no token count."""
+    import argparse
+
+    return _workload_from_args(argparse.Namespace(recipe=recipe_path, config=None, params=None, lora_params=None,
+                                                  tokens=0.0, seq_len=None, micro_batch=None,
+                                                  gradient_checkpointing=False))
+
+
 def _lora_params(config, r: int, targets) -> int:
     """r x (in + out) for every targeted Linear ("all-linear" = all but the output projection)."""
     import torch

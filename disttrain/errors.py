@@ -26,5 +26,8 @@ def exit_on_user_error():
     try:
         yield
     except DisttrainError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(f"error: {exc}", file=sys.stderr)  # on its own line, even under a progress bar
+        sys.stderr.flush()
         sys.exit(exc.exit_code)

@@ -17,6 +17,7 @@ from itertools import islice
 
 import torch
 
+from disttrain import guards
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
 
 
@@ -127,12 +128,16 @@ class _Window:
         per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
+        mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
         elapsed = time.perf_counter() - self.started
         devices = per_rank.shape[0]
         record = {
-            "loss": float(f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)),
+            "loss": float(mean_loss),
             "loss_rank_min": float(rank_loss.min()),
             "loss_rank_max": float(rank_loss.max()),
+            "loss_rank_min_rank": int(rank_loss.argmin()),
+            "loss_rank_max_rank": int(rank_loss.argmax()),
+            "loss_rank_spread": float((rank_loss.max() - rank_loss.min()) / mean_loss.abs().clamp(min=1e-12)),
             "step_time_s": elapsed / max(self.steps, 1),
             "tokens_per_s": float(f["tokens"].sum()) / elapsed,
             "tokens_per_s_per_device": float(f["tokens"].sum()) / elapsed / devices,
@@ -156,16 +161,19 @@ class _Window:
 
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
-          flops_meter=None, peak_flops: float | None = None) -> TrainState:
+          flops_meter=None, peak_flops: float | None = None, distributed=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
     `checkpointer` (due(step) / save(state)) writes checkpoints. A log line is always written at a
     checkpoint, so a resumed run's metrics continue without a seam. `flops_meter` and `peak_flops` add
-    TFLOPS per device and MFU to the log lines.
+    TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
+    interval and the loss-spread warning threshold.
     """
     ga = accelerator.gradient_accumulation_steps
     window = _Window(accelerator.device, flops_meter, peak_flops)
+    replicas_every = distributed.check_replicas_every if distributed is not None else None
+    warn_loss_spread = guards.LossSpreadWarning(distributed.loss_spread_warning if distributed is not None else None)
     model.train()
     while state.step < total_steps:
         state.epoch = state.step // per_epoch
@@ -173,10 +181,14 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
         consumed = (state.step % per_epoch) * ga  # non-zero only right after a mid-epoch resume
         batches = iter(accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader)
         for _ in range(state.step % per_epoch, per_epoch):
+            step = state.step + 1
+            guards.at("loading the next batches", step)
             fetch_started = time.perf_counter()
             micro_batches = list(islice(batches, ga))
             window.data_wait += time.perf_counter() - fetch_started
+            guards.at("all_reduce of the step's target-token count", step)
             denominator, stop = _window_denominator(micro_batches, accelerator)
+            guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     loss = _forward(model, batch, num_items_in_batch=denominator).loss
@@ -195,14 +207,21 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
             stop = stop or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step and not last)
             save = checkpointer is not None and (checkpointer.due(state.step, last) or stop)
             if state.step % log_every == 0 or last or save:
+                guards.at("gathering metrics from all ranks", step)
                 summary = window.summarize(accelerator)
                 state.tokens_seen += summary["tokens"]
                 log({**summary, "lr": scheduler.get_last_lr()[0], "grad_norm": _as_float(grad_norm),
                      "epoch": state.epoch, "tokens_seen": state.tokens_seen}, state.step)
+                warn_loss_spread(summary, state.step, accelerator.print)
                 window.reset()
+            if replicas_every and state.step % replicas_every == 0:
+                guards.check_replicas(accelerator, model, state.step,
+                                      checkpointer.last_saved if checkpointer is not None else None)
             if eval_loader is not None and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
+                guards.at("evaluation", step)
                 log({"eval_loss": evaluate(accelerator, model, eval_loader)}, state.step)
             if save:
+                guards.at("saving a checkpoint", step)
                 checkpointer.save(state)
             if stop or last:
                 return state

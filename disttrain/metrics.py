@@ -21,12 +21,15 @@ class MetricsLogger:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= initial_step]
             self.path.write_text("".join(line + "\n" for line in kept))
+        self.resumed_from = initial_step or None  # marked on the first loss line after a resume (make diagnose)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
                         disable=not accelerator.is_main_process, dynamic_ncols=True)
 
     def log(self, record: dict, step: int) -> None:
         """Every rank calls this; only the main process writes."""
         record = {"step": step, "time": round(time.time(), 3), **record}
+        if self.resumed_from is not None and "loss" in record:
+            record["resumed_from_step"], self.resumed_from = self.resumed_from, None
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

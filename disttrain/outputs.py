@@ -16,12 +16,43 @@ def final_model_dir(recipe: Recipe) -> Path:
     return Path(recipe.output.dir) / FINAL_MODEL_DIR
 
 
-def start(accelerator, recipe: Recipe) -> None:
-    """Create the output dir and keep the exact recipe (overrides applied) next to the results."""
+# Fields that may change between a run and its resumption without changing what is trained.
+_RESUME_NEUTRAL = ("output.", "logging.", "training.stop_at_step", "training.eval_every", "distributed.")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every training-relevant field that differs between two recipes."""
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key) and not key.startswith(_RESUME_NEUTRAL)]
+
+
+def start(accelerator, recipe: Recipe, resuming: bool = False) -> None:
+    """Create the output dir and keep the exact recipe (overrides applied) next to the results. A resumed run
+    whose recipe differs from the saved one says so: the checkpoint's optimizer and scheduler restore the
+    saved learning rate, and other data or hyper-parameters make the loss jump."""
     if accelerator.is_main_process:
         out = Path(recipe.output.dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        saved_path = out / "recipe.yaml"
+        current = recipe_to_dict(recipe)
+        if resuming and saved_path.is_file():
+            changes = recipe_changes(yaml.safe_load(saved_path.read_text()) or {}, current)
+            if changes:
+                accelerator.print("warning: resuming with a changed recipe: " + "; ".join(changes) + " (the "
+                                  "checkpoint restores the saved optimizer and LR schedule; a learning-rate change "
+                                  "does not take effect). See docs/troubleshooting.md#recipe-changed-on-resume")
+        saved_path.write_text(yaml.safe_dump(current, sort_keys=False))
     accelerator.wait_for_everyone()
 
 

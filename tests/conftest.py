@@ -62,9 +62,10 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 
 def launch(config: str, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
            extra_args=(), timeout: int = 600, env=None) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(nproc),
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it
+    (`config` may also be the path of another .yaml)."""
+    config_file = str(config) if str(config).endswith(".yaml") else str(REPO / "accelerate_configs" / f"{config}.yaml")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, "--num_processes", str(nproc),
            "--main_process_port", str(free_port()), *extra_args,
            str(REPO / script), "--recipe", str(recipe_path), *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -59,3 +60,6 @@ def test_wrong_master_address_fails_fast_with_the_address(tmp_path, tiny_model_d
     assert node.returncode != 0
     assert time.time() - started < 90, "did not respect RDZV_TIMEOUT"
     assert f"timed out after 10000ms while trying to connect to (127.0.0.1, {port})" in out
+    (tmp_path / "node1.log").write_text(out)
+    found = diagnose([tmp_path / "node1.log"])
+    assert found[0].id == "rendezvous_unreachable" and found[0].details["port"] == str(port)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -110,7 +111,9 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
     assert_ok(launch("ddp", a))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
            "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(b)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         ckpts = tmp_path / "b" / "checkpoints"
         deadline = time.time() + 120
@@ -126,6 +129,9 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
             child.kill()
         proc.kill()
     assert not (tmp_path / "b" / "final").exists()
+    # make diagnose names the SIGKILL as the cause and the survivor's lost connection as its consequence
+    found = [f.id for f in diagnose([log_path])]
+    assert found[0] == "host_oom_or_killed", (found, log_path.read_text()[-3000:])
     second = launch("ddp", b)
     assert_ok(second)
     assert "resumed from" in second.stdout

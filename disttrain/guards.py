@@ -1,0 +1,202 @@
+"""Runtime guards: turn the silent ways a distributed run goes wrong into one clear line.
+
+- Where am I: the run records its current phase and step (`at(...)`, a dict write, nothing more), so that a
+  collective that times out or loses a peer is reported as "rank R, step S, <phase>" instead of a C++
+  stack trace, and a stall is announced before the process-group timeout kills the job.
+- Replica consistency: a float64 checksum of the parameters, compared across ranks before wrapping (catches
+  ranks that built different initial weights) and every N steps while the weights are replicated
+  (DDP, ZeRO-1/2), where the copies must stay bit-identical.
+- Loss spread: the per-rank losses of a log window are compared and a warning names the extreme ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+from disttrain.errors import DisttrainError
+
+TROUBLESHOOTING = "docs/troubleshooting.md"
+
+_where = {"phase": "starting up", "step": 0, "since": time.monotonic()}
+_timeout_s = 1800.0
+
+
+class CollectiveFailure(DisttrainError):
+    """A collective timed out or lost a peer: the run cannot continue."""
+
+    exit_code = 3
+
+
+class ReplicaMismatch(DisttrainError):
+    exit_code = 4
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _world() -> str:
+    return os.environ.get("WORLD_SIZE", "1")
+
+
+def at(phase: str, step: int | None = None) -> None:
+    """Record what this rank is doing now (called at every phase change; costs a dict update)."""
+    if phase != _where["phase"] or (step is not None and step != _where["step"]):
+        _where["since"] = time.monotonic()
+    _where["phase"] = phase
+    if step is not None:
+        _where["step"] = step
+
+
+def where() -> str:
+    return f"'{_where['phase']}' at step {_where['step']}"
+
+
+# ----------------------------------------------------------------------------- collective failures
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|"
+                        r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+
+
+def describe_collective_error(exc: BaseException) -> str | None:
+    """One line for a timeout / lost peer raised by a collective; None for any other exception."""
+    text = str(exc)
+    if isinstance(exc, DisttrainError) or not isinstance(exc, (RuntimeError, OSError)):
+        return None
+    if _TIMEOUT.search(text):
+        return (f"rank {_rank()} of {_world()}: a collective timed out after {_timeout_s:g}s in {where()}: "
+                "another rank did not join it (hung, stopped, crashed, or busier than distributed.timeout_s). "
+                "Find the first error in the other ranks' output (`make diagnose LOG=<log>`); if a rank was "
+                "legitimately busy (tokenising a large dataset, a slow checkpoint write), raise "
+                f"distributed.timeout_s. See {TROUBLESHOOTING}#collective-timeout")
+    if _PEER_LOST.search(text):
+        return (f"rank {_rank()} of {_world()}: lost the connection to another rank in {where()}: that rank "
+                "died first. Its own output names the cause (killed by the OOM killer = exit -9, a Python "
+                f"error, an abort); `make diagnose LOG=<log>` finds it. See {TROUBLESHOOTING}#rank-died")
+    return None
+
+
+@contextmanager
+def collective_failures_explained():
+    """Re-raise a collective timeout / lost peer as one user-facing line (the traceback says nothing more)."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        message = describe_collective_error(exc)
+        if message is None:
+            raise
+        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise CollectiveFailure(f"{message} (cause: {type(exc).__name__}: {cause})") from None
+
+
+def watch(timeout_s: float, check_every_s: float | None = None) -> None:
+    """Remember the process-group timeout and start a daemon thread that says, once per phase, when this
+    rank has been stuck for 80 % of it. With NCCL the watchdog then aborts the process from C++ without
+    naming our phase or step; this line names them first."""
+    global _timeout_s
+    _timeout_s = float(timeout_s)
+    interval = check_every_s or max(0.2, min(10.0, timeout_s / 20))
+
+    def run():
+        warned_for = None
+        while True:
+            time.sleep(interval)
+            key = (_where["phase"], _where["step"], _where["since"])
+            stuck = time.monotonic() - _where["since"]
+            if key != warned_for and stuck > 0.8 * _timeout_s:
+                print(f"warning: rank {_rank()}: no progress for {stuck:.0f}s in {where()}; collectives time out "
+                      f"after {_timeout_s:g}s (distributed.timeout_s)", file=sys.stderr, flush=True)
+                warned_for = key
+
+    threading.Thread(target=run, name="disttrain-stall-watch", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- replica consistency
+def parameter_checksum(model, device) -> torch.Tensor:
+    """[has_full_weights, sum, sum of squares, numel] over all parameters, in float64. Chunked so that a
+    large embedding is never copied whole. has_full_weights = 0 when this rank holds shards or meta
+    tensors (FSDP, ZeRO-3): then there is nothing to compare."""
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    full = True
+    for p in model.parameters():
+        if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or \
+                type(getattr(p, "data", None)).__name__ == "DTensor":
+            full = False
+            break
+        for chunk in p.detach().reshape(-1).split(1 << 24):
+            chunk = chunk.to(device)
+            sums[1] += chunk.sum(dtype=torch.float64)
+            sums[2] += chunk.float().square().sum(dtype=torch.float64)
+        sums[3] += p.numel()
+    if not full:
+        sums.zero_()
+    else:
+        sums[0] = 1
+    return sums
+
+
+def compare_replicas(accelerator, model) -> list[int] | None:
+    """Ranks whose weights differ from rank 0's; None when weights are not replicated (nothing compared)."""
+    if accelerator.num_processes == 1:
+        return None
+    per_rank = accelerator.gather(parameter_checksum(model, accelerator.device).unsqueeze(0)).reshape(-1, 4).cpu()
+    if not bool((per_rank[:, 0] == 1).all()):
+        return None
+    reference = per_rank[0, 1:]
+    return [rank for rank in range(per_rank.shape[0])
+            if not torch.allclose(per_rank[rank, 1:], reference, rtol=1e-12, atol=0.0)]
+
+
+def check_initial_replicas(accelerator, model) -> None:
+    """Before wrapping: every rank must have built the same weights (same seed, same checkpoint)."""
+    at("checking that all ranks built the same initial weights")
+    differing = compare_replicas(accelerator, model)
+    if differing:
+        accelerator.print(
+            f"warning: ranks {differing} built different initial weights than rank 0 (a seed set per rank "
+            "before the model or LoRA init, or a different model revision on some node). DDP / DeepSpeed / "
+            "FSDP continue from rank 0's copy, but anything else seeded per rank is suspect. See "
+            f"{TROUBLESHOOTING}#loss-spread")
+
+
+def check_replicas(accelerator, model, step: int, last_checkpoint=None) -> None:
+    """While weights are replicated (DDP, ZeRO-1/2) they must stay bit-identical across ranks."""
+    at("comparing parameter checksums across ranks", step)
+    differing = compare_replicas(accelerator, model)
+    if differing:
+        resume = f"; newest checkpoint of this run (rank 0's weights): {last_checkpoint}" if last_checkpoint else ""
+        raise ReplicaMismatch(
+            f"step {step}: the weights on ranks {differing} differ from rank 0's although they are replicated "
+            "copies: the ranks diverged (a rank skipped or repeated an optimizer step, a parameter that is "
+            "not synchronised, or non-deterministic code that runs on one rank only). Training further would "
+            f"waste compute{resume}. See {TROUBLESHOOTING}#replica-mismatch")
+
+
+# ----------------------------------------------------------------------------- loss spread
+class LossSpreadWarning:
+    """Warns when the per-rank losses of a log window differ by more than `threshold` (relative to the
+    mean loss); repeats at most every `quiet_steps` steps."""
+
+    def __init__(self, threshold: float | None, quiet_steps: int = 100):
+        self.threshold, self.quiet_steps, self.last_warned = threshold, quiet_steps, None
+
+    def __call__(self, record: dict, step: int, print_fn) -> None:
+        if not self.threshold or "loss_rank_spread" not in record:
+            return
+        if record["loss_rank_spread"] <= self.threshold:
+            return
+        if self.last_warned is not None and step - self.last_warned < self.quiet_steps:
+            return
+        self.last_warned = step
+        print_fn(f"warning: step {step}: loss differs across ranks by {record['loss_rank_spread']:.0%} of the mean "
+                 f"(rank {record['loss_rank_max_rank']}: {record['loss_rank_max']:.4g}, rank "
+                 f"{record['loss_rank_min_rank']}: {record['loss_rank_min']:.4g}; distributed.loss_spread_warning="
+                 f"{self.threshold:g}): ranks see differently distributed data or have diverged. See "
+                 f"{TROUBLESHOOTING}#loss-spread")

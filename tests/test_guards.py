@@ -1,0 +1,123 @@
+"""Runtime guards of train.py, each triggered by really breaking a 2-process run: a stopped rank (collective
+timeout), a rank whose weights drift (replica check), ranks seeded differently (initial-weights check), and
+a low loss-spread threshold. The logs are then diagnosed like a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, base_recipe, free_port, launch, write_recipe
+from disttrain.diagnose import diagnose
+
+pytestmark = pytest.mark.launch
+
+
+def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "train.py" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_model_dir):
+    """SIGSTOP rank 1 mid-training: rank 0 waits in its next collective, warns at 80 % of the timeout and then
+    fails with one line naming itself, the step and what it was doing."""
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, training={"max_steps": 100000}, distributed={"timeout_s": 8},
+        output={"save_final_model": False, "checkpoint_at_end": False}))
+    log_path = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe",
+           str(recipe)]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stopped = None
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and
+                                              len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        stopped = _rank_process(proc, 1)
+        assert stopped is not None, "rank 1 not found"
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.time() + 120
+        while time.time() < deadline and "a collective timed out" not in log_path.read_text():
+            time.sleep(0.2)
+        stopped.send_signal(signal.SIGCONT)  # let it receive the launcher's SIGTERM and leave
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+    text = log_path.read_text()
+    assert "error: rank 0 of 2: a collective timed out after 8s in '" in text, text[-4000:]
+    assert "warning: rank 0: no progress for" in text  # the stall warning came before the timeout
+    line = next(l for l in text.splitlines() if "a collective timed out" in l)
+    step = int(line.split("' at step ")[1].split(":")[0])
+    assert step >= 3
+    found = diagnose([log_path])
+    timeout = next(f for f in found if f.id == "collective_timeout")
+    assert timeout.details["ranks_waiting"] == [0] and timeout.details["suspect_ranks"] == [1]
+
+
+def test_diverging_replicas_stop_the_run_at_the_next_check(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, training={"max_steps": 8}, distributed={"check_replicas_every": 4},
+        output={"checkpoint_every": 2}))
+    proc = launch("ddp", recipe, script="tests/scripts/faulty_train.py", env={"DISTTRAIN_TEST_FAULT": "diverge"})
+    assert proc.returncode != 0
+    assert "error: step 4: the weights on ranks [1] differ from rank 0's" in proc.stderr
+    # checked before the step-4 checkpoint is written: the newest one named is step 2's
+    assert "newest checkpoint of this run (rank 0's weights): " in proc.stderr and "step-00000002" in proc.stderr
+    assert not (out / "checkpoints" / "step-00000004").exists()
+    assert not (out / "final").exists()
+    (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
+    found = diagnose([tmp_path / "run.log"])
+    assert found[0].id == "replica_mismatch" and found[0].details["ranks"] == "1"
+
+
+def test_differently_seeded_ranks_are_reported_and_loss_spread_warns(tmp_path, tiny_model_dir):
+    """Seeding with seed + rank before the (random) LoRA init builds different weights per rank: warned before
+    wrapping. DDP then broadcasts rank 0's weights, so the periodic checks pass and the run finishes. A loss
+    spread threshold below the real spread between ranks triggers the loss-spread warning."""
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, training={"max_steps": 4}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+        distributed={"check_replicas_every": 1, "loss_spread_warning": 1e-4}))
+    proc = launch("ddp", recipe, script="tests/scripts/faulty_train.py", env={"DISTTRAIN_TEST_FAULT": "seed_per_rank"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warning: ranks [1] built different initial weights than rank 0" in proc.stdout
+    assert "warning: step 1: loss differs across ranks by" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss_rank_spread"] > 1e-4 for r in records if "loss" in r)
+    (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
+    assert "loss_spread" in [f.id for f in diagnose([tmp_path / "run.log"])]
+
+
+def test_correctly_seeded_lora_ranks_agree(tmp_path, tiny_model_dir):
+    """The control: train.py itself seeds every rank identically before the model and LoRA init."""
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, training={"max_steps": 2}, lora={"r": 4, "alpha": 8},
+        distributed={"check_replicas_every": 1}, output={"save_final_model": False}))
+    proc = launch("ddp", recipe)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "built different initial weights" not in proc.stdout
