@@ -18,6 +18,7 @@ from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
 from disttrain.launcher import REPO, launch_command, run_logged
+from disttrain.metrics import read_metrics
 from disttrain.throughput import mfu_band
 
 DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
@@ -35,8 +36,7 @@ def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Pa
     proc = run_logged(cmd, run_dir / "launch.log")
     if proc.returncode != 0:
         raise DisttrainError(f"bench: {strategy} failed (exit {proc.returncode}); log: {run_dir / 'launch.log'}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in lines if "loss" in r]
+    return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
 def _percentile(values: list[float], q: float) -> float:

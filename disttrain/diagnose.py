@@ -129,6 +129,13 @@ RULES = [
          "ranks that must hold identical weights (DDP, ZeRO-1/2) no longer do",
          "look for code that runs on one rank only between steps (a rank-conditional optimizer step, manual "
          "weight edits, non-synchronised parameters); resume from a checkpoint before the divergence"),
+    Rule("native_abort", "A rank aborted in native code", ROOT,
+         [r"terminate called without an active exception|terminate called after throwing an instance of"],
+         "a C++ thread of the distributed stack ended the process with SIGABRT (exit -6). With torch 2.13 + gloo it "
+         "was seen at interpreter exit after a finished run; during training it usually follows a broken "
+         "connection (gloo::IoException) to a rank that died",
+         "if the run had finished (its final model and metrics are written) nothing is lost: train.py and the "
+         "benchmarks skip interpreter teardown to avoid it; otherwise look for the rank that died first"),
     Rule("user_error", "The run stopped on a configuration or data error", ROOT,
          [r"^(?:\[rank\d+\]: )?error: (?!rank \d+ of \d+: )(?P<message>.+)$"],
          "disttrain refused to start or continue; the line names the file/key/step",

@@ -60,6 +60,7 @@ def where() -> str:
 
 
 # ----------------------------------------------------------------------------- collective failures
+_BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.IGNORECASE)
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|"
                         r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
@@ -68,7 +69,10 @@ _PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Bro
 def describe_collective_error(exc: BaseException) -> str | None:
     """One line for a timeout / lost peer raised by a collective; None for any other exception."""
     text = str(exc)
-    if isinstance(exc, DisttrainError) or not isinstance(exc, (RuntimeError, OSError)):
+    # Only errors of the distributed stack: a Hub download timeout (an OSError) is not a collective.
+    from_collective = isinstance(exc, getattr(torch.distributed, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and _BACKEND.search(text) is not None)
+    if isinstance(exc, DisttrainError) or not from_collective:
         return None
     if _TIMEOUT.search(text):
         return (f"rank {_rank()} of {_world()}: a collective timed out after {_timeout_s:g}s in {where()}: "
@@ -119,26 +123,25 @@ def watch(timeout_s: float, check_every_s: float | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------- replica consistency
-def parameter_checksum(model, device) -> torch.Tensor:
-    """[has_full_weights, sum, sum of squares, numel] over all parameters, in float64. Chunked so that a
-    large embedding is never copied whole. has_full_weights = 0 when this rank holds shards or meta
-    tensors (FSDP, ZeRO-3): then there is nothing to compare."""
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    full = True
+def holds_full_weights(model) -> bool:
+    """False when this rank holds shards or meta tensors (FSDP, ZeRO-3): nothing to compare then."""
     for p in model.parameters():
         if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or \
                 type(getattr(p, "data", None)).__name__ == "DTensor":
-            full = False
-            break
+            return False
+    return True
+
+
+def parameter_checksum(model, device) -> torch.Tensor:
+    """[sum, sum of squares, numel] over all parameters in float64, chunked so that a large embedding is
+    never copied whole. Bit-identical replicas give bit-identical checksums."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for p in model.parameters():
         for chunk in p.detach().reshape(-1).split(1 << 24):
             chunk = chunk.to(device)
-            sums[1] += chunk.sum(dtype=torch.float64)
-            sums[2] += chunk.float().square().sum(dtype=torch.float64)
-        sums[3] += p.numel()
-    if not full:
-        sums.zero_()
-    else:
-        sums[0] = 1
+            sums[0] += chunk.sum(dtype=torch.float64)
+            sums[1] += chunk.float().square().sum(dtype=torch.float64)
+        sums[2] += p.numel()
     return sums
 
 
@@ -146,12 +149,12 @@ def compare_replicas(accelerator, model) -> list[int] | None:
     """Ranks whose weights differ from rank 0's; None when weights are not replicated (nothing compared)."""
     if accelerator.num_processes == 1:
         return None
-    per_rank = accelerator.gather(parameter_checksum(model, accelerator.device).unsqueeze(0)).reshape(-1, 4).cpu()
-    if not bool((per_rank[:, 0] == 1).all()):
+    full = torch.tensor([float(holds_full_weights(model))], device=accelerator.device)
+    if not bool((accelerator.gather(full) == 1).all()):  # cheap: no rank sums weights it cannot compare
         return None
-    reference = per_rank[0, 1:]
+    per_rank = accelerator.gather(parameter_checksum(model, accelerator.device).unsqueeze(0)).reshape(-1, 3).cpu()
     return [rank for rank in range(per_rank.shape[0])
-            if not torch.allclose(per_rank[rank, 1:], reference, rtol=1e-12, atol=0.0)]
+            if not torch.allclose(per_rank[rank], per_rank[0], rtol=1e-12, atol=0.0)]
 
 
 def check_initial_replicas(accelerator, model) -> None:

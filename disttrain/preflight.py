@@ -14,7 +14,6 @@ continues to the end), export (the exported model loads back).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from disttrain.config import LOCAL_DATA_SUFFIXES, Recipe, load_recipe
 from disttrain.errors import DisttrainError, exit_on_user_error
 from disttrain.launcher import REPO, launch_command, run_logged
+from disttrain.metrics import read_metrics
 
 MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl"}
@@ -190,8 +190,7 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
     if second.returncode != 0:
         report.add("resume", False, _failure(second, work_dir / "resume.log"))
         return report
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [m["loss"] for m in metrics if "loss" in m]
+    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
     resumed = f"resumed from {checkpoint} at step {half}" in second.stdout
     report.add("resume", resumed and len(losses) == steps,
                f"continued from step {half} to {steps}, loss {losses[0]:.3f} -> {losses[-1]:.3f}" if resumed

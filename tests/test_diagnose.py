@@ -37,6 +37,7 @@ def write_log(tmp_path: Path, proc: subprocess.CompletedProcess, name: str = "ru
     ("disk_full.log", "disk_full"),
     ("zero3_export_accelerate.log", "zero3_gather_missing"),
     ("nccl_mismatch", "nccl_version_mismatch"),
+    ("exit_abort_gloo.log", "native_abort"),  # a real CPU log: a rank aborted at exit after finishing
 ])
 def test_gpu_failure_texts_are_named(fixture, expected):
     assert classes(FIXTURES / fixture)[0] == expected

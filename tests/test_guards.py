@@ -17,8 +17,6 @@ import pytest
 from conftest import REPO, base_recipe, free_port, launch, write_recipe
 from disttrain.diagnose import diagnose
 
-pytestmark = pytest.mark.launch
-
 
 def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
     for child in psutil.Process(launcher.pid).children(recursive=True):
@@ -30,6 +28,7 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | Non
     return None
 
 
+@pytest.mark.launch
 def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_model_dir):
     """SIGSTOP rank 1 mid-training: rank 0 waits in its next collective, warns at 80 % of the timeout and then
     fails with one line naming itself, the step and what it was doing."""
@@ -77,6 +76,7 @@ def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_mode
     assert timeout.details["ranks_waiting"] == [0] and timeout.details["suspect_ranks"] == [1]
 
 
+@pytest.mark.launch
 def test_diverging_replicas_stop_the_run_at_the_next_check(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
@@ -94,6 +94,7 @@ def test_diverging_replicas_stop_the_run_at_the_next_check(tmp_path, tiny_model_
     assert found[0].id == "replica_mismatch" and found[0].details["ranks"] == "1"
 
 
+@pytest.mark.launch
 def test_differently_seeded_ranks_are_reported_and_loss_spread_warns(tmp_path, tiny_model_dir):
     """Seeding with seed + rank before the (random) LoRA init builds different weights per rank: warned before
     wrapping. DDP then broadcasts rank 0's weights, so the periodic checks pass and the run finishes. A loss
@@ -112,6 +113,7 @@ def test_differently_seeded_ranks_are_reported_and_loss_spread_warns(tmp_path, t
     assert "loss_spread" in [f.id for f in diagnose([tmp_path / "run.log"])]
 
 
+@pytest.mark.launch
 def test_correctly_seeded_lora_ranks_agree(tmp_path, tiny_model_dir):
     """The control: train.py itself seeds every rank identically before the model and LoRA init."""
     out = tmp_path / "out"
@@ -121,3 +123,63 @@ def test_correctly_seeded_lora_ranks_agree(tmp_path, tiny_model_dir):
     proc = launch("ddp", recipe)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "built different initial weights" not in proc.stdout
+
+
+def test_only_distributed_errors_are_explained_as_collective_failures():
+    import torch
+
+    from disttrain import guards
+
+    guards.at("all_reduce of the step's target-token count", 12)
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv "
+                        "operation to complete")
+    assert "a collective timed out" in guards.describe_collective_error(gloo)
+    assert "'all_reduce of the step's target-token count' at step 12" in guards.describe_collective_error(gloo)
+    nccl = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
+    assert "lost the connection to another rank" in guards.describe_collective_error(nccl)
+    assert guards.describe_collective_error(OSError("Read timed out. (read timeout=10)")) is None  # a Hub download
+    assert guards.describe_collective_error(ValueError("timeout")) is None
+    with pytest.raises(guards.CollectiveFailure, match=r"\(cause: RuntimeError: \[third_party/gloo"):
+        with guards.collective_failures_explained():
+            raise gloo
+    with pytest.raises(KeyError):
+        with guards.collective_failures_explained():
+            raise KeyError("unrelated errors pass through")
+
+
+def test_loss_spread_warning_names_ranks_and_repeats_rarely():
+    from disttrain.guards import LossSpreadWarning
+
+    said = []
+    warn = LossSpreadWarning(0.5, quiet_steps=100)
+    record = {"loss_rank_spread": 0.8, "loss_rank_max": 7.2, "loss_rank_max_rank": 3, "loss_rank_min": 3.1,
+              "loss_rank_min_rank": 0}
+    warn({**record, "loss_rank_spread": 0.4}, 10, said.append)
+    warn(record, 20, said.append)
+    warn(record, 60, said.append)
+    warn(record, 130, said.append)
+    assert len(said) == 2 and "step 20" in said[0] and "rank 3: 7.2, rank 0: 3.1" in said[0]
+
+
+def test_recipe_changes_ignore_what_may_change_on_resume():
+    from disttrain.outputs import recipe_changes
+
+    saved = {"training": {"lr": 0.01, "stop_at_step": 30}, "output": {"dir": "a"}, "data": {"path": "x"}}
+    current = {"training": {"lr": 0.1, "stop_at_step": None}, "output": {"dir": "b"}, "data": {"path": "x"}}
+    assert recipe_changes(saved, current) == ["training.lr: 0.01 -> 0.1"]
+
+
+def test_checksum_sees_a_tiny_change_and_skips_meta_weights():
+    import torch
+
+    from disttrain.guards import holds_full_weights, parameter_checksum
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    before = parameter_checksum(model, torch.device("cpu"))
+    assert torch.equal(before, parameter_checksum(model, torch.device("cpu")))
+    with torch.no_grad():
+        model[1].weight[0, 0] += 1e-6
+    assert not torch.equal(before, parameter_checksum(model, torch.device("cpu")))
+    assert holds_full_weights(model)
+    with torch.device("meta"):
+        assert not holds_full_weights(torch.nn.Linear(4, 4))

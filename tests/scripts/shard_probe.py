@@ -3,6 +3,7 @@ the same recipe -> accelerator -> data -> loader path that train.py uses."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,3 +33,6 @@ out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(
     {"world": accelerator.num_processes, "dataset": [list(r) for r in train_set["input_ids"]], "type": str(accelerator.distributed_type),
      "epochs": {e: [list(r) for r in rows] for e, rows in seen.items()}}))
+accelerator.wait_for_everyone()
+sys.stdout.flush()
+os._exit(0)  # skip interpreter teardown (see train.py: a finished gloo rank can abort there)
