@@ -41,7 +41,7 @@ def _wandb_offline_without_key(report_to: list[str]) -> None:
 def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
-                                  ProjectConfiguration)
+                                  ProjectConfiguration, TorchDynamoPlugin)
 
     strategy = launcher_strategy()
     gpu = has_gpu()
@@ -68,6 +68,10 @@ def build_accelerator(recipe: Recipe):
         project_config=ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=f"{recipe.output.dir}/runs"),
         kwargs_handlers=[pg_kwargs],
     )
+    if recipe.training.compile:
+        # Regional: the repeated decoder block is compiled once and reused by every layer, so compile time
+        # does not grow with depth, and FSDP2's per-block sharding stays outside the compiled graphs.
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, dynamic=True)
     if strategy == "deepspeed":
         kwargs["deepspeed_plugin"] = _deepspeed_plugin(recipe)
     elif not gpu:

@@ -70,6 +70,8 @@ class TrainingSection(_Section):
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
                                      "the schedule still runs to the full length on resume")
+    compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
+                          "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

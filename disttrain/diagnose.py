@@ -155,7 +155,9 @@ RULES = [
          "distributed.timeout_s; for multi-node hangs check the firewall and NCCL_SOCKET_IFNAME"),
     Rule("rank_died", "Lost connection to a rank that died", SYMPTOM,
          [r"lost the connection to another rank in '(?P<phase>[^']+)' at step (?P<step>\d+)",
-          r"Connection reset by peer|Connection closed by peer|ncclRemoteError|remote process exit"],
+          r"could not connect to another rank in '(?P<connect_phase>[^']+)'",
+          r"Connection reset by peer|Connection closed by peer|ncclRemoteError|remote process exit|"
+          r"connectFullMesh failed"],
          "a peer process exited (crash, OOM kill, preemption) while this rank talked to it",
          "the first failing rank's own error is the real cause; the launcher's 'Root Cause (first observed "
          "failure)' block names it"),

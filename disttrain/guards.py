@@ -61,6 +61,7 @@ def where() -> str:
 
 # ----------------------------------------------------------------------------- collective failures
 _BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.IGNORECASE)
+_CONNECT = re.compile(r"connectFullMesh failed|Connection refused", re.IGNORECASE)
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|"
                         r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
@@ -74,6 +75,11 @@ def describe_collective_error(exc: BaseException) -> str | None:
         isinstance(exc, RuntimeError) and _BACKEND.search(text) is not None)
     if isinstance(exc, DisttrainError) or not from_collective:
         return None
+    if _CONNECT.search(text):
+        return (f"rank {_rank()} of {_world()}: could not connect to another rank in {where()}: that rank died "
+                "during start-up, or (several nodes) a firewall blocks the ports between nodes / the wrong network "
+                "interface is used (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). `make doctor` checks both. "
+                f"See {TROUBLESHOOTING}#rank-died")
     if _TIMEOUT.search(text):
         return (f"rank {_rank()} of {_world()}: a collective timed out after {_timeout_s:g}s in {where()}: "
                 "another rank did not join it (hung, stopped, crashed, or busier than distributed.timeout_s). "

@@ -74,26 +74,17 @@ def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: i
     global_batch = t.micro_batch_size * t.grad_accum * accelerator.num_processes
     accelerator.print(
         f"run: strategy={strategy} distributed_type={accelerator.distributed_type.value} "
-        f"processes={accelerator.num_processes} device={accelerator.device} mixed_precision={t.mixed_precision}\n"
+        f"processes={accelerator.num_processes} device={accelerator.device} mixed_precision={t.mixed_precision} "
+        f"compile={'regional (inductor, dynamic shapes)' if t.compile else 'no'}\n"
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
         f"{accelerator.num_processes} procs) steps/epoch={per_epoch} total_steps={total_steps}")
 
 
 def tracker_config(recipe: Recipe) -> dict:
-    # trackers (tensorboard hparams) want flat scalars
-    flat = {}
-
-    def walk(prefix, node):
-        for k, v in node.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict):
-                walk(key + ".", v)
-            else:
-                flat[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
-
-    walk("", recipe_to_dict(recipe))
-    return flat
+    """The recipe as flat scalars (tensorboard hparams accept nothing else)."""
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+            for k, v in _flatten(recipe_to_dict(recipe)).items()}
 
 
 def tracker_init_kwargs(recipe: Recipe) -> dict:

@@ -4,6 +4,7 @@ is possible, and from verbatim library error texts for GPU-only failures (tests/
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -115,10 +116,15 @@ def test_missing_accelerate_config_and_bad_recipe(tmp_path, tiny_model_dir):
     found = diagnose([write_log(tmp_path, proc, "cfg.log")])
     assert found[0].id == "missing_accelerate_config" and found[0].details["file"] == "accelerate_configs/zero4.yaml"
 
-    bad = launch("ddp", recipe, overrides=["training.lr=fast"], timeout=120)
+    # no --config_file and no default config (empty HF_HOME): accelerate warns and uses defaults; the bad
+    # recipe value then stops train.py with one line
+    bad = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "train.py",
+                          "--recipe", str(recipe), "training.lr=fast"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HOME": str(tmp_path / "hf_home")})
     assert bad.returncode != 0
     found = diagnose([write_log(tmp_path, bad, "recipe.log")])
     assert found[0].id == "user_error" and "training.lr" in found[0].details["message"]
+    assert "missing_accelerate_config" in [f.id for f in found]
 
 
 @pytest.mark.launch

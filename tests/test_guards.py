@@ -137,6 +137,9 @@ def test_only_distributed_errors_are_explained_as_collective_failures():
     assert "'all_reduce of the step's target-token count' at step 12" in guards.describe_collective_error(gloo)
     nccl = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
     assert "lost the connection to another rank" in guards.describe_collective_error(nccl)
+    mesh = RuntimeError("Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out "
+                        "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:8617")  # seen after a restart
+    assert "could not connect to another rank" in guards.describe_collective_error(mesh)
     assert guards.describe_collective_error(OSError("Read timed out. (read timeout=10)")) is None  # a Hub download
     assert guards.describe_collective_error(ValueError("timeout")) is None
     with pytest.raises(guards.CollectiveFailure, match=r"\(cause: RuntimeError: \[third_party/gloo"):
