@@ -140,6 +140,36 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, tiny_model_dir, small_data):
+    """SIGKILL every process the moment the step-6 checkpoint starts being written (as a node failure would):
+    the half-written save is never used, the relaunch resumes from step 3 and ends like an uninterrupted run."""
+    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
+    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
+    assert_ok(launch("ddp", a))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(b)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tmp_path / "b" / "checkpoints" / ".tmp-step-00000006"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not tmp.exists() and proc.poll() is None:
+            pass  # busy-wait: the save takes milliseconds
+        launcher = psutil.Process(proc.pid)
+        for process in launcher.children(recursive=True) + [launcher]:
+            process.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert tmp.is_dir() and not (tmp / "manifest.json").exists(), "the kill did not land inside the save"
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
+    second = launch("ddp", b)
+    assert_ok(second)
+    assert "resumed from" in second.stdout and "step-00000003 at step 3/" in second.stdout
+    assert not list((tmp_path / "b" / "checkpoints").glob(".tmp-*")), "the half-written save was not cleaned up"
+    assert_same_run(tmp_path / "a", tmp_path / "b", lora=False)
+
+
 def test_interrupted_save_and_corrupt_checkpoints_are_never_loaded(tmp_path, tiny_model_dir, small_data):
     r = recipe(tmp_path, tiny_model_dir, small_data, "run")
     assert_ok(launch("ddp", r, overrides=["training.stop_at_step=6"]))
