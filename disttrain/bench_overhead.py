@@ -3,6 +3,8 @@
 Same recipe (model, data, micro-batch, accumulation), same number of processes, one invocation, run one
 after the other; effective (non-padding) tokens/s per device after warm-up. Reports the ratios
 disttrain/raw (overhead against the floor) and disttrain/Trainer. Writes <out>/overhead.json and .md.
+--trainer-unpacked feeds the Trainer padded (unpacked) batches, its default, while train.py and the raw loop
+use the recipe's data (e.g. data.packing=true): what a user gains by switching, in one measurement.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", default="bench/overhead")
+    parser.add_argument("--trainer-unpacked", action="store_true",
+                        help="give the Trainer padded batches (data.packing=false), the others the recipe's data")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -44,13 +48,17 @@ def main(argv=None) -> None:
                            log_every=args.warmup)
     ours = summarize("ddp", records, args.warmup)["tokens_per_s_per_device"]
     raw = run_peer("raw", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides)
-    trainer = run_peer("trainer", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides)
+    trainer_overrides = [*args.overrides, "data.packing=false"] if args.trainer_unpacked else args.overrides
+    trainer = run_peer("trainer", args.recipe, args.nproc, args.steps, args.warmup, out, trainer_overrides)
     result = {"recipe": args.recipe, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+              "overrides": args.overrides, "trainer_unpacked": args.trainer_unpacked,
               "tokens_per_s_per_device": {"disttrain": ours, "raw_ddp": raw, "hf_trainer": trainer},
               "disttrain_over_raw": ours / raw, "disttrain_over_trainer": ours / trainer}
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
     table = "\n".join([
-        f"# Overhead: {args.recipe}, {args.nproc} processes, {args.steps} steps ({args.warmup} warm-up excluded)", "",
+        f"# Overhead: {args.recipe} {' '.join(args.overrides)}, {args.nproc} processes, {args.steps} steps "
+        f"({args.warmup} warm-up excluded)" + (" ; Trainer fed padded (unpacked) batches" if args.trainer_unpacked else ""),
+        "",
         "| runner | tokens/s/device (non-padding) |", "|---|---|",
         f"| disttrain train.py (a) | {ours:,.0f} |", f"| raw PyTorch DDP loop (b) | {raw:,.0f} |",
         f"| transformers Trainer (c) | {trainer:,.0f} |", "",

@@ -41,8 +41,9 @@ def test_summary_weights_windows_by_their_steps():
 def test_bench_overhead_compares_three_runners(tmp_path, tiny_model_dir):
     out = tmp_path / "overhead"
     overhead_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--steps", "8", "--warmup", "4",
-                   "--out", str(out), f"model.name_or_path={tiny_model_dir}"])
+                   "--out", str(out), f"model.name_or_path={tiny_model_dir}", "data.packing=true", "--trainer-unpacked"])
     result = json.loads((out / "overhead.json").read_text())
+    assert result["trainer_unpacked"] and "Trainer fed padded (unpacked) batches" in (out / "overhead.md").read_text()
     assert set(result["tokens_per_s_per_device"]) == {"disttrain", "raw_ddp", "hf_trainer"}
     assert all(v > 0 for v in result["tokens_per_s_per_device"].values())
     assert result["disttrain_over_raw"] == pytest.approx(
