@@ -18,11 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(config: str, nproc: int, script: str | Path, *args: str) -> list[str]:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml ... <script> <args>`."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(nproc),
-            "--main_process_port", str(free_port()), str(REPO / script), *args]
+def launch_command(config: str | Path, nproc: int, script: str | Path, *args: str,
+                   launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml [launcher_args] <script> <args>`;
+    `config` may also be the path of another .yaml."""
+    config_file = str(config) if str(config).endswith(".yaml") else str(REPO / "accelerate_configs" / f"{config}.yaml")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *launcher_args,
+            str(REPO / script), *args]
 
 
 def run_logged(cmd: list[str], log_path: Path) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain.launcher import free_port  # noqa: E402  (re-exported for the tests)
+from disttrain.launcher import free_port, launch_command  # noqa: E402, F401  (free_port: re-exported for the tests)
 
 # Offline and quiet: the Hub is unreachable here, and tests must never try it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,14 +60,12 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def launch(config: str, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
+def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
            extra_args=(), timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it
-    (`config` may also be the path of another .yaml)."""
-    config_file = str(config) if str(config).endswith(".yaml") else str(REPO / "accelerate_configs" / f"{config}.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, "--num_processes", str(nproc),
-           "--main_process_port", str(free_port()), *extra_args,
-           str(REPO / script), "--recipe", str(recipe_path), *overrides]
+    (`config` may also be the path of another .yaml; `extra_args` go to the launcher)."""
+    cmd = launch_command(config, nproc, script, "--recipe", str(recipe_path), *overrides,
+                         launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
