@@ -18,6 +18,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from disttrain.metrics import read_metrics
+
 DOCS = "docs/troubleshooting.md"
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt")
 
@@ -36,6 +38,9 @@ class Rule:
 
     def compiled(self) -> list[re.Pattern]:
         return [re.compile(p, re.IGNORECASE | re.MULTILINE) for p in self.patterns]
+
+    def finding(self, where: str, evidence: str, details: dict | None = None) -> Finding:
+        return Finding(self.id, self.title, self.level, where, evidence, self.cause, self.fix, details or {})
 
 
 @dataclass
@@ -233,8 +238,7 @@ def scan_text(text: str, source: str) -> list[Finding]:
             details = {k: v for k, v in match.groupdict().items() if v is not None}
             line_end = text.find("\n", match.end())
             evidence = text[match.start():line_end if line_end >= 0 else len(text)].strip()[:300]
-            findings.append(Finding(rule.id, rule.title, rule.level, f"{source}:{_line_of(text, match.start())}",
-                                    evidence, rule.cause, rule.fix, details))
+            findings.append(rule.finding(f"{source}:{_line_of(text, match.start())}", evidence, details))
             break
     _refine(findings, text)
     return findings
@@ -249,10 +253,9 @@ def _refine(findings: list[Finding], text: str) -> None:
             f.details.setdefault("first_failed_rank", first.get("rank"))
         killed = first.get("signal") == "SIGKILL" or first.get("exitcode", "").startswith("-9")
         if killed and "host_oom_or_killed" not in by_id:
-            findings.append(Finding("host_oom_or_killed", RULES_BY_ID["host_oom_or_killed"].title, ROOT,
-                                    "launcher summary", f"rank {first.get('rank')} exitcode {first.get('exitcode')}",
-                                    RULES_BY_ID["host_oom_or_killed"].cause, RULES_BY_ID["host_oom_or_killed"].fix,
-                                    {"first_failed_rank": first.get("rank")}))
+            findings.append(RULES_BY_ID["host_oom_or_killed"].finding(
+                "launcher summary", f"rank {first.get('rank')} exitcode {first.get('exitcode')}",
+                {"first_failed_rank": first.get("rank")}))
     if "collective_timeout" in by_id:  # ranks that reported a timeout waited for the ones that did not
         reported = re.findall(r"rank (\d+) of (\d+): a collective timed out", text)
         if reported:
@@ -287,9 +290,8 @@ def _refine(findings: list[Finding], text: str) -> None:
             oom.details["ranks"] = sorted(ranks)
     versions = sorted(set(re.findall(r"NCCL version (\d+\.\d+\.\d+)", text)))
     if len(versions) > 1 and "nccl_version_mismatch" not in by_id:
-        rule = RULES_BY_ID["nccl_version_mismatch"]
-        findings.append(Finding(rule.id, rule.title, ROOT, "log", f"NCCL versions in this log: {', '.join(versions)}",
-                                rule.cause, rule.fix, {"versions": versions}))
+        findings.append(RULES_BY_ID["nccl_version_mismatch"].finding(
+            "log", f"NCCL versions in this log: {', '.join(versions)}", {"versions": versions}))
 
 
 RULES_BY_ID = {r.id: r for r in RULES}
@@ -298,7 +300,7 @@ RULES_BY_ID = {r.id: r for r in RULES}
 # ----------------------------------------------------------------------------- metrics.jsonl
 def scan_metrics(path: Path, jump_ratio: float = 1.5) -> list[Finding]:
     """A loss well above the steps before a resume point; per-rank loss spread (from our own metrics)."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(path)
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     findings = []
     for record in records:
@@ -308,19 +310,17 @@ def scan_metrics(path: Path, jump_ratio: float = 1.5) -> list[Finding]:
         before = [loss for step, loss in losses if step <= resumed][-5:]
         after = [loss for step, loss in losses if resumed < step <= resumed + 3]
         if before and after and max(after) > jump_ratio * (sum(before) / len(before)):
-            rule = RULES_BY_ID["loss_jump_after_resume"]
-            findings.append(Finding(rule.id, rule.title, HINT, f"{path} step {resumed + 1}",
-                                    f"loss jumped after the resume at step {resumed}: {sum(before) / len(before):.4g} "
-                                    f"before, {max(after):.4g} after", rule.cause, rule.fix, {"step": resumed}))
+            findings.append(RULES_BY_ID["loss_jump_after_resume"].finding(
+                f"{path} step {resumed + 1}", f"loss jumped after the resume at step {resumed}: "
+                f"{sum(before) / len(before):.4g} before, {max(after):.4g} after", {"step": resumed}))
     spread = [r for r in records if r.get("loss_rank_spread", 0) > 0.5]
     if spread:
         worst = max(spread, key=lambda r: r["loss_rank_spread"])
-        rule = RULES_BY_ID["loss_spread"]
-        findings.append(Finding(rule.id, rule.title, HINT, f"{path} step {worst['step']}",
-                                f"loss differs across ranks by {worst['loss_rank_spread']:.0%} at step {worst['step']} "
-                                f"(rank {worst.get('loss_rank_max_rank')}: {worst['loss_rank_max']:.4g}, rank "
-                                f"{worst.get('loss_rank_min_rank')}: {worst['loss_rank_min']:.4g})",
-                                rule.cause, rule.fix, {"steps": len(spread)}))
+        findings.append(RULES_BY_ID["loss_spread"].finding(
+            f"{path} step {worst['step']}",
+            f"loss differs across ranks by {worst['loss_rank_spread']:.0%} at step {worst['step']} (rank "
+            f"{worst.get('loss_rank_max_rank')}: {worst['loss_rank_max']:.4g}, rank {worst.get('loss_rank_min_rank')}: "
+            f"{worst['loss_rank_min']:.4g})", {"steps": len(spread)}))
     return findings
 
 

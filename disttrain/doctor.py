@@ -15,6 +15,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -79,8 +80,6 @@ def _driver_versions() -> tuple[str | None, str | None]:
         out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None, None
-    import re
-
     driver = re.search(r"Driver Version:\s*([\d.]+)", out)
     cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
     return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)

@@ -131,11 +131,10 @@ def watch(timeout_s: float, check_every_s: float | None = None) -> None:
 # ----------------------------------------------------------------------------- replica consistency
 def holds_full_weights(model) -> bool:
     """False when this rank holds shards or meta tensors (FSDP, ZeRO-3): nothing to compare then."""
-    for p in model.parameters():
-        if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or \
-                type(getattr(p, "data", None)).__name__ == "DTensor":
-            return False
-    return True
+    from torch.distributed.tensor import DTensor
+
+    return not any(p.is_meta or hasattr(p, "ds_id") or isinstance(p, DTensor) or isinstance(p.data, DTensor)
+                   for p in model.parameters())
 
 
 def parameter_checksum(model, device) -> torch.Tensor:

@@ -46,6 +46,9 @@ class MetricsLogger:
         self.bar.close()
 
 
-def read_metrics(out_dir: str | Path) -> list[dict]:
-    path = Path(out_dir) / METRICS_FILE
+def read_metrics(out_dir_or_file: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (given its output dir or the file itself)."""
+    path = Path(out_dir_or_file)
+    if path.is_dir():
+        path = path / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -68,6 +69,39 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
                          launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2) -> subprocess.Popen:
+    """`launch` in the background, to signal or kill its ranks; output goes to log_path (or is discarded)."""
+    cmd = launch_command(config, nproc, "train.py", "--recipe", str(recipe_path))
+    out = log_path.open("w") if log_path else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        if log_path:
+            out.close()
+
+
+def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training processes of a launch, by their RANK."""
+    ranks = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "RANK" in child.environ() and "train.py" in " ".join(child.cmdline()):
+                ranks[int(child.environ()["RANK"])] = child
+        except psutil.Error:
+            continue
+    return ranks
+
+
+def kill_launch(launcher: subprocess.Popen) -> None:
+    """SIGKILL the launcher and everything it started (a node failure; also test clean-up)."""
+    if launcher.poll() is None:
+        for process in psutil.Process(launcher.pid).children(recursive=True):
+            process.kill()
+        launcher.kill()
+    launcher.wait(timeout=60)
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

@@ -5,27 +5,13 @@ a low loss-spread threshold. The logs are then diagnosed like a user would."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
-from conftest import REPO, base_recipe, free_port, launch, write_recipe
+from conftest import base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
 from disttrain.diagnose import diagnose
-
-
-def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank) and "train.py" in " ".join(child.cmdline()):
-                return child
-        except psutil.Error:
-            continue
-    return None
 
 
 @pytest.mark.launch
@@ -37,12 +23,7 @@ def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_mode
         tiny_model_dir, out, training={"max_steps": 100000}, distributed={"timeout_s": 8},
         output={"save_final_model": False, "checkpoint_at_end": False}))
     log_path = tmp_path / "run.log"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe",
-           str(recipe)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_launch("ddp", recipe, log_path)
     stopped = None
     try:
         deadline = time.time() + 180
@@ -50,7 +31,7 @@ def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_mode
                                               len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.1)
-        stopped = _rank_process(proc, 1)
+        stopped = rank_processes(proc).get(1)
         assert stopped is not None, "rank 1 not found"
         stopped.send_signal(signal.SIGSTOP)
         deadline = time.time() + 120
@@ -61,10 +42,7 @@ def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_mode
     finally:
         if stopped is not None and stopped.is_running():
             stopped.send_signal(signal.SIGCONT)
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+        kill_launch(proc)
     text = log_path.read_text()
     assert "error: rank 0 of 2: a collective timed out after 8s in '" in text, text[-4000:]
     assert "warning: rank 0: no progress for" in text  # the stall warning came before the timeout

@@ -3,17 +3,14 @@ run step for step and weight for weight. Plus killed ranks, killed saves and cor
 
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
@@ -80,18 +77,20 @@ def test_stop_and_resume_matches_uninterrupted(strategy, lora, tmp_path, tiny_mo
 def test_sigterm_checkpoints_and_resumes(tmp_path, tiny_model_dir, small_data):
     r = recipe(tmp_path, tiny_model_dir, small_data, "run")
     r.write_text(r.read_text().replace(f"max_steps: {STEPS}", "max_steps: 400"))  # long enough to be signalled
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(r)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
-        time.sleep(0.2)
-    # what a scheduler's preemption does: SIGTERM to every training process
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        if "train.py" in " ".join(child.cmdline()) and "accelerate.commands.launch" not in " ".join(child.cmdline()):
-            child.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    log_path = tmp_path / "run.log"
+    proc = start_launch("ddp", r, log_path)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+            time.sleep(0.2)
+        # what a scheduler's preemption does: SIGTERM to every training process
+        for rank in rank_processes(proc).values():
+            rank.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_launch(proc)
+    out = log_path.read_text()
     assert proc.returncode == 0, out[-3000:]
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
     assert stopped, out[-3000:]
@@ -109,25 +108,19 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
         path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {steps}")
                         .replace("checkpoint_every: 3", "checkpoint_every: 10").replace("every_steps: 1", "every_steps: 10"))
     assert_ok(launch("ddp", a))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(b)]
     log_path = tmp_path / "killed.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = start_launch("ddp", b, log_path)
     try:
         ckpts = tmp_path / "b" / "checkpoints"
         deadline = time.time() + 120
         while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
             time.sleep(0.05)
-        victims = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "train.py" in " ".join(c.cmdline()) and "accelerate.commands.launch" not in " ".join(c.cmdline())]
-        assert victims, "no training process found"
-        victims[-1].kill()  # SIGKILL one rank
+        ranks = rank_processes(proc)
+        assert 1 in ranks, "no training process found"
+        ranks[1].kill()  # SIGKILL one rank
         assert proc.wait(timeout=120) != 0
     finally:
-        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
-            child.kill()
-        proc.kill()
+        kill_launch(proc)
     assert not (tmp_path / "b" / "final").exists()
     # make diagnose names the SIGKILL as the cause and the survivor's lost connection as its consequence
     found = [f.id for f in diagnose([log_path])]
@@ -146,21 +139,14 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, 
     a = recipe(tmp_path, tiny_model_dir, small_data, "a")
     b = recipe(tmp_path, tiny_model_dir, small_data, "b")
     assert_ok(launch("ddp", a))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "train.py"), "--recipe", str(b)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_launch("ddp", b)
     tmp = tmp_path / "b" / "checkpoints" / ".tmp-step-00000006"
     try:
         deadline = time.time() + 180
         while time.time() < deadline and not tmp.exists() and proc.poll() is None:
             pass  # busy-wait: the save takes milliseconds
-        launcher = psutil.Process(proc.pid)
-        for process in launcher.children(recursive=True) + [launcher]:
-            process.kill()
-        proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_launch(proc)
     assert tmp.is_dir() and not (tmp / "manifest.json").exists(), "the kill did not land inside the save"
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
     second = launch("ddp", b)
