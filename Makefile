@@ -24,14 +24,24 @@ TINY_MODEL  := artifacts/tiny-llama
 
 RDZV_TIMEOUT ?= 600
 HOSTFILE    ?=
+MAX_RESTARTS ?= 0
 
 # One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
 # configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
 # Node 0 first checks that the rendezvous port is free and names its owner if not (disttrain/ports.py).
+# MAX_RESTARTS=N: torchrun restarts all workers up to N times after a failure (they resume from the newest
+# checkpoint); that needs the c10d rendezvous, on MASTER_ADDR:MASTER_PORT (PET_RDZV_ENDPOINT: accelerate sets
+# it only for several nodes, torch's default is a fixed port 29400), and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# so that each restart gets a fresh store (with the shared one, restarted workers can read the dead workers'
+# addresses: pytorch/pytorch#135712, "Connection refused" in gloo's/NCCL's connect).
+RESTART_ENV = $(if $(filter-out 0,$(MAX_RESTARTS)),TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+	PET_RDZV_ENDPOINT=$(MASTER_ADDR):$(MASTER_PORT))
 LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
+	$(RESTART_ENV) \
 	$(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
+	$(if $(filter-out 0,$(MAX_RESTARTS)),--max_restarts $(MAX_RESTARTS) --rdzv_backend c10d) \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
@@ -45,6 +55,7 @@ help: ## list targets and variables
 	@echo "Variables: RECIPE=$(RECIPE)  GPUS=$(GPUS) (processes per node; CPU processes without GPUs)"
 	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
+	@echo "           MAX_RESTARTS=$(MAX_RESTARTS) (restart all workers after a failure, up to N times; they resume)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"

@@ -47,6 +47,7 @@ def main(argv=None):
     compat.check(recipe, strategy, has_gpu())
     compat.check_trackers(recipe.logging.report_to)
     compat.check_zero3_export(recipe, strategy)
+    guards.warn_elastic_shared_store()  # torchrun restarts that would reconnect to dead workers
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     cfg = recipe.training

@@ -25,7 +25,7 @@ DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
 
 
 def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Path, overrides: list[str],
-                 log_every: int = 1) -> list[dict]:
+                 log_every: int = 1, timeout_s: float | None = None) -> list[dict]:
     """One launch; `log_every` > 1 measures with normal logging (windows must align with the warm-up)."""
     cmd = launch_command(
         strategy, nproc, "train.py", "--recipe", recipe, *overrides,
@@ -33,7 +33,7 @@ def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Pa
         "training.eval_every=null", "training.stop_at_step=null", f"output.dir={run_dir}", "output.resume=none",
         "output.checkpoint_every=null", "output.checkpoint_at_end=false", "output.save_final_model=false")
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = run_logged(cmd, run_dir / "launch.log")
+    proc = run_logged(cmd, run_dir / "launch.log", timeout_s)
     if proc.returncode != 0:
         raise DisttrainError(f"bench: {strategy} failed (exit {proc.returncode}); log: {run_dir / 'launch.log'}")
     return [r for r in read_metrics(run_dir) if "loss" in r]
@@ -70,6 +70,8 @@ def summarize(strategy: str, records: list[dict], warmup: int) -> dict:
         "step_time_p90_s": _percentile(step_times, 0.9),
         "data_wait_share": sum(r["data_wait_share"] * r["window_s"] for r in kept) / seconds,
         "final_loss": kept[-1]["loss"],
+        # hardware FLOPs utilisation (recomputed forward included), logged with gradient checkpointing
+        **({"hfu": sum(r["hfu"] * r["window_s"] for r in kept) / seconds} if "hfu" in kept[0] else {}),
     }
 
 

@@ -2,7 +2,9 @@
 
 Same recipe (model, data, micro-batch, accumulation), same number of processes, one invocation, run one
 after the other; effective (non-padding) tokens/s per device after warm-up. Reports the ratios
-disttrain/raw (overhead against the floor) and disttrain/Trainer. Writes <out>/overhead.json and .md.
+disttrain/raw (overhead against the floor) and disttrain/Trainer. --rounds repeats the three runners (order
+rotated each round) and reports the median of the per-round ratios with their range: on a shared machine
+one round's ratio moves by 10-25 %. Writes <out>/overhead.json and .md.
 --trainer-unpacked feeds the Trainer padded (unpacked) batches, its default, while train.py and the raw loop
 use the recipe's data (e.g. data.packing=true): what a user gains by switching, in one measurement.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from disttrain.bench import run_strategy, summarize
@@ -28,11 +31,34 @@ def run_peer(mode: str, recipe: str, nproc: int, steps: int, warmup: int, out: P
     return json.loads(result.read_text())["tokens_per_s_per_device"]
 
 
+RUNNERS = ("disttrain", "raw_ddp", "hf_trainer")
+
+
+def _one_round(args, out: Path, order: tuple[str, ...]) -> dict[str, float]:
+    """Effective tokens/s per device of each runner, launched one after the other in `order`."""
+    trainer_overrides = [*args.overrides, "data.packing=false"] if args.trainer_unpacked else args.overrides
+    result = {}
+    for runner in order:
+        if runner == "disttrain":
+            # train.py logs (one gather) every `warmup` steps, as a real run would, not every step
+            records = run_strategy(args.recipe, "ddp", args.nproc, args.steps, out / "disttrain", args.overrides,
+                                   log_every=args.warmup)
+            result[runner] = summarize("ddp", records, args.warmup)["tokens_per_s_per_device"]
+        elif runner == "raw_ddp":
+            result[runner] = run_peer("raw", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides)
+        else:
+            result[runner] = run_peer("trainer", args.recipe, args.nproc, args.steps, args.warmup, out,
+                                      trainer_overrides)
+    return result
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/tiny/sft.yaml")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the three runners, the order rotated each round; ratios are per round")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", default="bench/overhead")
     parser.add_argument("--trainer-unpacked", action="store_true",
@@ -43,26 +69,39 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.steps % args.warmup:
         raise DisttrainError("--steps must be a multiple of --warmup (train.py logs once per warm-up length)")
-    # train.py logs (one gather) every `warmup` steps, as a real run would, not every step
-    records = run_strategy(args.recipe, "ddp", args.nproc, args.steps, out / "disttrain", args.overrides,
-                           log_every=args.warmup)
-    ours = summarize("ddp", records, args.warmup)["tokens_per_s_per_device"]
-    raw = run_peer("raw", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides)
-    trainer_overrides = [*args.overrides, "data.packing=false"] if args.trainer_unpacked else args.overrides
-    trainer = run_peer("trainer", args.recipe, args.nproc, args.steps, args.warmup, out, trainer_overrides)
+    if args.rounds < 1:
+        raise DisttrainError("--rounds must be at least 1")
+    rounds = []
+    for i in range(args.rounds):
+        # rotate the order so that a slow phase of a shared machine does not always hit the same runner
+        shift = i % len(RUNNERS)
+        tokens = _one_round(args, out, RUNNERS[shift:] + RUNNERS[:shift])
+        rounds.append({"tokens_per_s_per_device": tokens,
+                       "disttrain_over_raw": tokens["disttrain"] / tokens["raw_ddp"],
+                       "disttrain_over_trainer": tokens["disttrain"] / tokens["hf_trainer"]})
+        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v:,.0f}" for k, v in tokens.items())
+              + f" tokens/s/device; a/b {rounds[-1]['disttrain_over_raw']:.3f}, "
+              f"a/c {rounds[-1]['disttrain_over_trainer']:.3f}", flush=True)
+    median = {k: statistics.median(r["tokens_per_s_per_device"][k] for r in rounds) for k in RUNNERS}
+    a_b = [r["disttrain_over_raw"] for r in rounds]
+    a_c = [r["disttrain_over_trainer"] for r in rounds]
     result = {"recipe": args.recipe, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
-              "overrides": args.overrides, "trainer_unpacked": args.trainer_unpacked,
-              "tokens_per_s_per_device": {"disttrain": ours, "raw_ddp": raw, "hf_trainer": trainer},
-              "disttrain_over_raw": ours / raw, "disttrain_over_trainer": ours / trainer}
+              "overrides": args.overrides, "trainer_unpacked": args.trainer_unpacked, "rounds": rounds,
+              "tokens_per_s_per_device": median,  # medians over rounds
+              "disttrain_over_raw": statistics.median(a_b), "disttrain_over_trainer": statistics.median(a_c)}
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
+    spread = (lambda v: f" (rounds: {min(v):.3f}-{max(v):.3f})") if args.rounds > 1 else (lambda v: "")
     table = "\n".join([
         f"# Overhead: {args.recipe} {' '.join(args.overrides)}, {args.nproc} processes, {args.steps} steps "
-        f"({args.warmup} warm-up excluded)" + (" ; Trainer fed padded (unpacked) batches" if args.trainer_unpacked else ""),
+        f"({args.warmup} warm-up excluded), {args.rounds} round(s)"
+        + (" ; Trainer fed padded (unpacked) batches" if args.trainer_unpacked else ""),
         "",
-        "| runner | tokens/s/device (non-padding) |", "|---|---|",
-        f"| disttrain train.py (a) | {ours:,.0f} |", f"| raw PyTorch DDP loop (b) | {raw:,.0f} |",
-        f"| transformers Trainer (c) | {trainer:,.0f} |", "",
-        f"a/b = {ours / raw:.3f} (target >= 0.97), a/c = {ours / trainer:.3f} (target >= 1.2)"])
+        "| runner | tokens/s/device (non-padding), median of rounds |", "|---|---|",
+        f"| disttrain train.py (a) | {median['disttrain']:,.0f} |",
+        f"| raw PyTorch DDP loop (b) | {median['raw_ddp']:,.0f} |",
+        f"| transformers Trainer (c) | {median['hf_trainer']:,.0f} |", "",
+        f"a/b = {result['disttrain_over_raw']:.3f}{spread(a_b)} (target >= 0.97), "
+        f"a/c = {result['disttrain_over_trainer']:.3f}{spread(a_c)} (target >= 1.2); median of per-round ratios"])
     (out / "overhead.md").write_text(table + "\n")
     print(table)
 

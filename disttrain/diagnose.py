@@ -60,6 +60,13 @@ class Finding:
 
 
 RULES = [
+    Rule("elastic_shared_store", "Restarted workers could not reconnect (shared rendezvous store)", ROOT,
+         [r"after torchrun restarted the workers \(restart (?P<restart>\d+)\): with the shared rendezvous store"],
+         "torchrun restarted the workers (--max_restarts) and they kept the agent's rendezvous store of the "
+         "failed attempt: a new rank read a dead rank's address and its connect was refused "
+         "(pytorch/pytorch#135712; the kill or crash before it was survivable)",
+         "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (`make train-<strategy> MAX_RESTARTS=N` sets it); "
+         "the job then resumes from its newest checkpoint"),
     Rule("port_in_use", "Rendezvous port already in use", ROOT,
          [r"Tried to launch distributed communication on port `(?P<port>\d+)`, but another process is utilizing it",
           r"The server socket has failed to listen on any local network address.*?port: (?P<port>\d+)",

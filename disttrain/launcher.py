@@ -4,6 +4,7 @@ the output kept in a log file next to the run."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,9 +29,23 @@ def launch_command(config: str | Path, nproc: int, script: str | Path, *args: st
             str(REPO / script), *args]
 
 
-def run_logged(cmd: list[str], log_path: Path) -> subprocess.CompletedProcess:
-    """Run from the repository root (relative ds_configs paths), one CPU thread per process."""
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    log_path.write_text(proc.stdout + "\n" + proc.stderr)
-    return proc
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    """Run from the repository root (relative ds_configs paths), one CPU thread per process. After
+    `timeout_s` the launcher and every process it started are killed (returncode -9, the output kept)."""
+    # With a timeout the launch gets its own process group, so that killing it kills the workers too (without
+    # one it stays in ours: Ctrl-C reaches every process as usual).
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=timeout_s is not None,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {timeout_s:g}s)"
+    except BaseException:  # Ctrl-C while waiting: the own process group would not get it
+        if timeout_s is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    log_path.write_text(stdout + "\n" + stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -50,14 +50,36 @@ def request_stop(*_signal_args) -> None:
     _stop_requested = True
 
 
-def _window_denominator(window: list[dict], accelerator) -> tuple[torch.Tensor, bool]:
-    """All-reduce of (target tokens in this window, stop requested): one small collective per step."""
+def _window_denominator(window: list[dict], accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce of (target tokens in this window, stop requested): one small collective per step.
+    Both results stay on the device; the stop flag is read through _FlagOnHost at the end of the step."""
     targets = sum(count_targets(b) for b in window).to(accelerator.device, torch.float32)
-    local = torch.stack([targets, torch.tensor(float(_stop_requested), device=targets.device)])
-    total = accelerator.reduce(local, reduction="sum")
+    stop = torch.full((), float(_stop_requested), device=targets.device)  # a fill, not a host-to-device copy
+    total = accelerator.reduce(torch.stack([targets, stop]), reduction="sum")
     # scale so that accelerate's /grad_accum and the strategy's mean over ranks are undone
     denominator = total[0].clamp(min=1.0) / (accelerator.num_processes * accelerator.gradient_accumulation_steps)
-    return denominator, bool(total[1] > 0)
+    return denominator, total[1]
+
+
+class _FlagOnHost:
+    """A device flag brought to the host without waiting for the kernels queued after it. `bool(t)` on a GPU
+    tensor waits for everything queued so far (the whole step, once its backward is queued); this copy waits
+    only for the collective that produced the flag, so reading it at the end of a step leaves the next step's
+    kernels queued behind the running ones. On a CPU the value is read directly."""
+
+    def __init__(self, flag: torch.Tensor):
+        self._done = None
+        self._value = flag
+        if flag.device.type == "cuda":
+            self._value = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._value.copy_(flag, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(flag.device))
+
+    def is_set(self) -> bool:
+        if self._done is not None:
+            self._done.synchronize()
+        return bool(self._value > 0)
 
 
 def _forward(model, batch: dict, num_items_in_batch=None):
@@ -100,32 +122,36 @@ class _Window:
     """Running sums between two log lines. They stay on the device (no host sync in the step loop) and are
     gathered across ranks only when a line is written."""
 
-    FIELDS = ("loss_sum", "targets", "tokens", "padded_tokens", "flops", "recompute_flops", "data_wait_s",
-              "peak_mem_gb")
+    DEVICE_FIELDS = ("loss_sum", "targets", "tokens", "flops", "recompute_flops")
+    HOST_FIELDS = ("padded_tokens", "data_wait_s", "peak_mem_gb")
+    FIELDS = DEVICE_FIELDS + HOST_FIELDS
 
     def __init__(self, device, meter=None, peak_flops: float | None = None):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
         self.reset()
 
     def reset(self):
-        self.sums = torch.zeros(len(self.FIELDS), device=self.device, dtype=torch.float64)
+        self.sums = torch.zeros(len(self.DEVICE_FIELDS), device=self.device, dtype=torch.float64)
         self.steps = 0
+        self.padded_tokens = 0
         self.data_wait = 0.0
         self.started = time.perf_counter()
 
     def add_micro(self, loss_sum: torch.Tensor, batch: dict):
-        flops = self.meter.batch_flops(batch) if self.meter else 0.0
-        recompute = self.meter.recompute_flops(batch) if self.meter else 0.0
-        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), batch["input_ids"].numel(), flops,
-                  recompute]
-        self.sums[:6] += torch.stack([torch.as_tensor(v, device=self.device).double() for v in values])
+        # device tensors only: a Python number copied to a GPU would synchronise the stream every micro-batch
+        zero = loss_sum.new_zeros(())
+        flops = self.meter.batch_flops(batch) if self.meter else zero
+        recompute = self.meter.recompute_flops(batch) if self.meter else zero
+        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), flops, recompute]  # DEVICE_FIELDS
+        self.sums += torch.stack([v.to(self.device, torch.float64) for v in values])
+        self.padded_tokens += batch["input_ids"].numel()  # known on the host
 
     def summarize(self, accelerator) -> dict:
         from disttrain.throughput import peak_memory_gb
 
-        self.sums[6] = self.data_wait
-        self.sums[7] = peak_memory_gb(self.device)
-        per_rank = accelerator.gather(self.sums.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
+        host = torch.tensor([self.padded_tokens, self.data_wait, peak_memory_gb(self.device)], dtype=torch.float64)
+        local = torch.cat([self.sums, host.to(self.device)])
+        per_rank = accelerator.gather(local.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
         mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
@@ -187,7 +213,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
             micro_batches = list(islice(batches, ga))
             window.data_wait += time.perf_counter() - fetch_started
             guards.at("all_reduce of the step's target-token count", step)
-            denominator, stop = _window_denominator(micro_batches, accelerator)
+            denominator, stop_flag = _window_denominator(micro_batches, accelerator)
+            stop_requested = _FlagOnHost(stop_flag)
             guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
                 with accelerator.accumulate(model):
@@ -204,7 +231,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
             if progress is not None:
                 progress()
             last = state.step >= total_steps
-            stop = stop or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step and not last)
+            stop = stop_requested.is_set() or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step
+                                               and not last)
             save = checkpointer is not None and (checkpointer.due(state.step, last) or stop)
             if state.step % log_every == 0 or last or save:
                 guards.at("gathering metrics from all ranks", step)

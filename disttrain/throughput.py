@@ -79,7 +79,7 @@ class FlopsMeter:
     def recompute_flops(self, batch: dict) -> torch.Tensor:
         """Extra hardware FLOPs of re-running the forward pass (a third of the attention term)."""
         if not self.recompute:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=batch[LENGTHS_KEY].device)
         return (self.forward_dense_per_token * batch[LENGTHS_KEY].sum().double()
                 + self.attention_coefficient / 3 * batch[SQUARES_KEY].sum().double())
 

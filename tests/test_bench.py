@@ -2,6 +2,9 @@
 speed belongs in the benchmark's output, not in pass/fail)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -41,11 +44,35 @@ def test_summary_weights_windows_by_their_steps():
 def test_bench_overhead_compares_three_runners(tmp_path, tiny_model_dir):
     out = tmp_path / "overhead"
     overhead_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--steps", "8", "--warmup", "4",
-                   "--out", str(out), f"model.name_or_path={tiny_model_dir}", "data.packing=true", "--trainer-unpacked"])
+                   "--rounds", "2", "--out", str(out), f"model.name_or_path={tiny_model_dir}", "data.packing=true",
+                   "--trainer-unpacked"])
     result = json.loads((out / "overhead.json").read_text())
     assert result["trainer_unpacked"] and "Trainer fed padded (unpacked) batches" in (out / "overhead.md").read_text()
     assert set(result["tokens_per_s_per_device"]) == {"disttrain", "raw_ddp", "hf_trainer"}
     assert all(v > 0 for v in result["tokens_per_s_per_device"].values())
-    assert result["disttrain_over_raw"] == pytest.approx(
-        result["tokens_per_s_per_device"]["disttrain"] / result["tokens_per_s_per_device"]["raw_ddp"])
+    assert len(result["rounds"]) == 2
+    for r in result["rounds"]:
+        assert r["disttrain_over_raw"] == pytest.approx(
+            r["tokens_per_s_per_device"]["disttrain"] / r["tokens_per_s_per_device"]["raw_ddp"])
+    assert result["disttrain_over_raw"] == pytest.approx(sum(r["disttrain_over_raw"] for r in result["rounds"]) / 2)
     assert "a/b =" in (out / "overhead.md").read_text()
+
+
+def test_gpu_figures_script_dry_runs_on_cpu(tmp_path):
+    """The prepared GPU run (scripts/bench/gpu_figures.py) works end to end on the tiny shape, so the first
+    session with a GPU spends its device minutes measuring, not debugging."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench/gpu_figures.py"), "--shape", "tiny", "--seq", "64", "--steps", "4",
+         "--warmup", "1", "--micro-batch", "2", "--precision", "no", "--configs", "single,fsdp,single_ckpt",
+         "--out", str(out), "--work", str(tmp_path / "work")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_figures.json").read_text())
+    assert [r["config"] for r in result["rows"]] == ["single", "fsdp", "single_ckpt"]
+    for row in result["rows"]:
+        assert "error" not in row and row["steps"] == 3 and 0 < row["mfu"] < 1, row
+    assert "hfu" in result["rows"][2] and result["rows"][2]["hfu"] > result["rows"][2]["mfu"]  # recompute counted
+    assert "hfu" not in result["rows"][0]
+    assert "| fsdp | no | no |" in (out / "gpu_figures.md").read_text()
+    assert (out / "launches.log").read_text().count("=====") == 3

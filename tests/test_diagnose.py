@@ -39,6 +39,8 @@ def write_log(tmp_path: Path, proc: subprocess.CompletedProcess, name: str = "ru
     ("zero3_export_accelerate.log", "zero3_gather_missing"),
     ("nccl_mismatch", "nccl_version_mismatch"),
     ("exit_abort_gloo.log", "native_abort"),  # a real CPU log: a rank aborted at exit after finishing
+    # a real CPU log: SIGKILLed rank, torchrun restart on the shared store, connect refused
+    ("elastic_shared_store.log", "elastic_shared_store"),
 ])
 def test_gpu_failure_texts_are_named(fixture, expected):
     assert classes(FIXTURES / fixture)[0] == expected

@@ -118,6 +118,7 @@ def test_only_distributed_errors_are_explained_as_collective_failures():
     mesh = RuntimeError("Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out "
                         "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:8617")  # seen after a restart
     assert "could not connect to another rank" in guards.describe_collective_error(mesh)
+    assert "after torchrun restarted" not in guards.describe_collective_error(mesh)
     assert guards.describe_collective_error(OSError("Read timed out. (read timeout=10)")) is None  # a Hub download
     assert guards.describe_collective_error(ValueError("timeout")) is None
     with pytest.raises(guards.CollectiveFailure, match=r"\(cause: RuntimeError: \[third_party/gloo"):
@@ -126,6 +127,26 @@ def test_only_distributed_errors_are_explained_as_collective_failures():
     with pytest.raises(KeyError):
         with guards.collective_failures_explained():
             raise KeyError("unrelated errors pass through")
+
+
+def test_torchrun_restarts_on_the_shared_store_are_warned_and_their_connect_failure_named(monkeypatch, capsys):
+    from disttrain import guards
+
+    mesh = RuntimeError("Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out "
+                        "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:8617")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets unless the share is disabled
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("RANK", "0")
+    guards.warn_elastic_shared_store()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+    assert "after torchrun restarted" not in guards.describe_collective_error(mesh)  # first attempt: a plain failure
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert "after torchrun restarted the workers (restart 1)" in guards.describe_collective_error(mesh)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    guards.warn_elastic_shared_store()
+    assert capsys.readouterr().err == ""
+    assert "after torchrun restarted" not in guards.describe_collective_error(mesh)
 
 
 def test_loss_spread_warning_names_ranks_and_repeats_rarely():

@@ -1,8 +1,10 @@
 """Exact resume for every strategy: stop mid-epoch with grad_accum > 1, resume, and match an uninterrupted
 run step for step and weight for weight. Plus killed ranks, killed saves and corrupt checkpoints."""
 
+import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_ok, base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
+from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, start_launch,
+                      write_recipe)
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
@@ -128,6 +131,44 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
     second = launch("ddp", b)
     assert_ok(second)
     assert "resumed from" in second.stdout
+    wa, wb = final_weights(tmp_path / "a", False), final_weights(tmp_path / "b", False)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, tiny_model_dir,
+                                                                                        small_data):
+    """`make train-ddp MAX_RESTARTS=1`: SIGKILL one rank after the first checkpoint; torchrun restarts both
+    workers by itself, they resume from the newest complete checkpoint, and the job ends with exit 0 and the
+    uninterrupted run's losses and weights."""
+    steps = 60
+    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
+    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
+    for path in (a, b):
+        path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {steps}")
+                        .replace("checkpoint_every: 3", "checkpoint_every: 10"))
+    assert_ok(launch("ddp", a))
+    log_path = tmp_path / "elastic.log"
+    cmd = ["make", "-s", "train-ddp", "MAX_RESTARTS=1", "GPUS=2", f"MASTER_PORT={free_port()}", f"RECIPE={b}"]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ckpts = tmp_path / "b" / "checkpoints"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+            time.sleep(0.05)
+        ranks = rank_processes(job)
+        assert 1 in ranks, "no training process found"
+        ranks[1].kill()  # SIGKILL one rank; the launcher, not the test, must bring the job back
+        assert job.wait(timeout=300) == 0, log_path.read_text()[-4000:]
+    finally:
+        kill_launch(job)
+    out = log_path.read_text()
+    assert "failed (exitcode: -9)" in out and "resumed from" in out, out[-4000:]
+    assert "shared rendezvous store" not in out  # MAX_RESTARTS set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(lb) == list(range(1, steps + 1)), "metrics continue across the restart without gap or duplicate"
+    assert lb == pytest.approx(la, rel=1e-6, abs=1e-7)
     wa, wb = final_weights(tmp_path / "a", False), final_weights(tmp_path / "b", False)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
