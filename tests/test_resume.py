@@ -101,6 +101,17 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, tiny_model_dir, small_data):
     assert 8 <= step < 400 and (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
 
 
+def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
+    """SIGKILL rank 1 of a running launch as soon as its first complete checkpoint exists."""
+    ckpts = out_dir / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+        time.sleep(0.05)
+    ranks = rank_processes(launcher)
+    assert 1 in ranks, "no training process found"
+    ranks[1].kill()
+
+
 def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, small_data):
     """SIGKILL one rank mid-run: the job fails; the same command again resumes from the newest complete
     checkpoint and ends exactly where an uninterrupted run ends."""
@@ -114,13 +125,7 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
     log_path = tmp_path / "killed.log"
     proc = start_launch("ddp", b, log_path)
     try:
-        ckpts = tmp_path / "b" / "checkpoints"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
-            time.sleep(0.05)
-        ranks = rank_processes(proc)
-        assert 1 in ranks, "no training process found"
-        ranks[1].kill()  # SIGKILL one rank
+        kill_rank_1_after_the_first_checkpoint(proc, tmp_path / "b")
         assert proc.wait(timeout=120) != 0
     finally:
         kill_launch(proc)
@@ -153,13 +158,7 @@ def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrup
     job = subprocess.Popen(cmd, cwd=REPO, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        ckpts = tmp_path / "b" / "checkpoints"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
-            time.sleep(0.05)
-        ranks = rank_processes(job)
-        assert 1 in ranks, "no training process found"
-        ranks[1].kill()  # SIGKILL one rank; the launcher, not the test, must bring the job back
+        kill_rank_1_after_the_first_checkpoint(job, tmp_path / "b")  # the launcher, not the test, brings it back
         assert job.wait(timeout=300) == 0, log_path.read_text()[-4000:]
     finally:
         kill_launch(job)
