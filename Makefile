@@ -23,6 +23,9 @@ PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
 
 RDZV_TIMEOUT ?= 600
+# On SIGTERM (preemption, scancel, Ctrl-C) the launcher's torchrun agent forwards the signal and SIGKILLs the
+# workers this many seconds later (torch's default: 30, too short to checkpoint a large model).
+SHUTDOWN_TIMEOUT ?= 600
 HOSTFILE    ?=
 MAX_RESTARTS ?= 0
 
@@ -37,7 +40,7 @@ MAX_RESTARTS ?= 0
 RESTART_ENV = $(if $(filter-out 0,$(MAX_RESTARTS)),TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
 	PET_RDZV_ENDPOINT=$(MASTER_ADDR):$(MASTER_PORT))
 LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
-	$(RESTART_ENV) \
+	TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(RESTART_ENV) \
 	$(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
@@ -45,7 +48,7 @@ LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume doctor diagnose cost bench bench-overhead clean
+	test preflight resume doctor diagnose cost bench bench-overhead gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -56,6 +59,7 @@ help: ## list targets and variables
 	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
 	@echo "           MAX_RESTARTS=$(MAX_RESTARTS) (restart all workers after a failure, up to N times; they resume)"
+	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
@@ -112,6 +116,9 @@ bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/re
 bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same data and batch -> bench/overhead/
 	$(PY) -m disttrain.bench_overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
 
+gpu-acceptance: tiny ## on a GPU machine: check every GPU-only claim -> gpu_acceptance/acceptance.{json,md} (ARGS='--wheels DIR')
+	$(PY) scripts/gpu/acceptance.py --out gpu_acceptance $(ARGS)
+
 doctor: setup ## RECIPE's machine: GPUs, CUDA/NCCL, libraries, disk, /dev/shm, limits, network + all_reduce/all_gather bandwidth
 	$(PY) -m disttrain.doctor --nproc $(GPUS) --nodes $(NODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) \
 		$(if $(filter-out 1,$(NODES)),--master-port $(MASTER_PORT)) --recipe $(RECIPE) $(ARGS)
@@ -127,4 +134,4 @@ test: tiny ## run the test suite (unit tests + real multi-process launches on CP
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean: ## remove outputs and the tiny model (keeps .venv)
-	rm -rf outputs artifacts bench
+	rm -rf outputs artifacts bench gpu_acceptance

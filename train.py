@@ -48,11 +48,13 @@ def main(argv=None):
     compat.check_trackers(recipe.logging.report_to)
     compat.check_zero3_export(recipe, strategy)
     guards.warn_elastic_shared_store()  # torchrun restarts that would reconnect to dead workers
+    guards.warn_short_shutdown_timeout()  # a preemption checkpoint the launcher would cut off after 30 s
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     cfg = recipe.training
     shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,
                                 cfg.micro_batch_size, cfg.grad_accum)
+    checkpoint.check_fresh_start(recipe.output.dir, recipe.output.resume)  # never mix two runs' checkpoints
     resume_from = checkpoint.find(recipe.output.dir, recipe.output.resume)
     if resume_from is not None:  # fail on a bad checkpoint now, not after loading the model
         checkpoint.verify(resume_from)
@@ -81,7 +83,8 @@ def main(argv=None):
                                 local_device=accelerator.local_process_index if has_gpu() else None)
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
-    collator = data.Collator(tokenizer.pad_token_id)
+    collator = data.Collator(tokenizer.pad_token_id,
+                             flatten_packed=data.flattens_packed_rows(recipe.model.attn_implementation))
     train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
     eval_loader = data.make_loader(eval_set, cfg.micro_batch_size, collator, False, False) if eval_set else None
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
@@ -123,7 +126,7 @@ def main(argv=None):
     if recipe.output.save_final_model:
         guards.at("exporting the final model", state.step)
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe),
-                                merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
+                                merge_lora=bool(recipe.lora and recipe.lora.merge_on_export), spec=recipe.model)
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
     guards.at("waiting for all ranks to finish", state.step)
     accelerator.wait_for_everyone()  # leave together: a rank tearing down early can abort a slower one

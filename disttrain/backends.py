@@ -55,8 +55,11 @@ def build_accelerator(recipe: Recipe):
     kwargs = dict(
         # The loop fetches each accumulation window up front (to count its target tokens), which makes
         # accelerate's end-of-dataloader flag fire early; sync on the step counter alone instead.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=recipe.training.grad_accum,
-                                                                sync_with_dataloader=False),
+        # FSDP: no-sync micro-batches would keep every layer's unsharded gradient until the last one (see
+        # DistributedSection.fsdp_sync_each_micro_batch); reduce-scatter each micro-batch instead.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=recipe.training.grad_accum, sync_with_dataloader=False,
+            sync_each_batch=strategy == "fsdp" and recipe.distributed.fsdp_sync_each_micro_batch),
         mixed_precision=recipe.training.mixed_precision,
         # The scheduler is stepped once per optimizer step by the loop. accelerate's default would step
         # it num_processes times per call, silently shortening warmup and decay on many GPUs.
@@ -82,8 +85,25 @@ def build_accelerator(recipe: Recipe):
         with fsdp_branch_on_cpu(pg_kwargs.timeout):
             accelerator = Accelerator(**kwargs)
         unpin_offload(accelerator)
-        return accelerator
-    return Accelerator(**kwargs)
+    else:
+        accelerator = Accelerator(**kwargs)
+    if strategy == "fsdp" and recipe.distributed.fsdp_reduce_in_fp32:
+        _fsdp_reduce_in_fp32(accelerator)
+    return accelerator
+
+
+def _fsdp_reduce_in_fp32(accelerator) -> None:
+    """accelerate's FSDP2 mixed precision reduces gradients in the compute dtype (bf16); DDP under autocast
+    reduces the fp32 gradients of fp32 weights. Keep the low-precision compute, reduce in fp32. Read by
+    accelerator.prepare(), so it is set before."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy
+    if isinstance(policy, MixedPrecisionPolicy) and policy.param_dtype not in (None, torch.float32):
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs)
 
 
 def _deepspeed_plugin(recipe: Recipe):

@@ -31,6 +31,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+SAVE_ORDER = "save_order"  # key in trainer_state.json: 1 + the highest order in the directory at save time
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -78,13 +79,15 @@ def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # all shards are on disk before anything is declared complete
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({**train_state.state_dict(), "shape": asdict(shape)}, indent=1))
+        order = max((_save_order(p)[0] for p in _complete(root)), default=0) + 1
+        (tmp / TRAINER_STATE).write_text(json.dumps({**train_state.state_dict(), "shape": asdict(shape),
+                                                     SAVE_ORDER: order}, indent=1))
         (tmp / MANIFEST).write_text(json.dumps({"files": _files_with_sizes(tmp)}, indent=1))
         if final.exists():  # same step saved before (e.g. resumed and stopped again at once)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomically(root / LATEST, name)
-        _prune(root, keep_last)
+        _prune(root, keep_last, final)
     accelerator.wait_for_everyone()
     return final
 
@@ -93,8 +96,20 @@ def _complete(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=lambda p: p.name)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for old in _complete(root)[:-keep_last]:
+def _save_order(checkpoint: Path) -> tuple[int, int]:
+    """(save order, step): the order checkpoints were written in, which is not the step order once a run
+    resumes from an older checkpoint in a directory that still holds later ones."""
+    try:
+        order = json.loads((checkpoint / TRAINER_STATE).read_text()).get(SAVE_ORDER, 0)
+    except (OSError, json.JSONDecodeError):
+        order = 0
+    return order, int(_NAME.match(checkpoint.name).group(1))
+
+
+def _prune(root: Path, keep_last: int, just_written: Path) -> None:
+    """Keep the `keep_last` most recently written checkpoints; never the one just written."""
+    older = sorted((p for p in _complete(root) if p != just_written), key=_save_order)
+    for old in older[:max(len(older) - (keep_last - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -137,20 +152,35 @@ def find(output_dir: str | Path, resume: str) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def check_fresh_start(output_dir: str | Path, resume: str) -> None:
+    """output.resume=none in a directory that holds another run's checkpoints: the new run's checkpoints would
+    be pruned and resumed among the old ones, so a later auto-resume could pick up the other run's state."""
+    root = checkpoint_root(output_dir)
+    existing = _complete(root) if resume == "none" and root.is_dir() else []
+    if existing:
+        raise CheckpointError(f"output.dir={output_dir} already holds checkpoints of an earlier run (newest: "
+                              f"{existing[-1].name}) and output.resume=none starts a new one: use a new output.dir, "
+                              f"delete {root}, or continue the earlier run with output.resume=auto")
+
+
 def check_shape(checkpoint: Path, current: RunShape) -> dict:
     """Returns the saved trainer state; raises one line when the checkpoint cannot continue this run."""
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    state.pop(SAVE_ORDER, None)
     saved = RunShape(**state.pop("shape"))
     if saved.strategy != current.strategy:
         raise CheckpointError(f"checkpoint {checkpoint} was written under {saved.strategy}, this run is "
                               f"{current.strategy}: resume with the same accelerate config, or export the weights "
                               "(final/ or zero_to_fp32.py) and start a new run from them")
     if saved.world_size != current.world_size and current.strategy == "deepspeed":
+        # DeepSpeed copies its conversion script next to the tag dir (accelerate's tag: pytorch_model/)
+        script = next(iter(sorted(checkpoint.rglob("zero_to_fp32.py"))), None)
+        export = f"python {script} {checkpoint} <out dir>" if script else "DeepSpeed's zero_to_fp32.py"
         raise CheckpointError(
             f"checkpoint {checkpoint} was written by {saved.world_size} processes, this run has "
             f"{current.world_size}: DeepSpeed ZeRO shards are per rank; convert it with "
             f"`python -m deepspeed.checkpoint.ds_to_universal` (universal checkpoint) or export weights with "
-            f"{checkpoint}/pytorch_model/zero_to_fp32.py, or resume with {saved.world_size} processes")
+            f"`{export}`, or resume with {saved.world_size} processes")
     if saved.global_batch != current.global_batch:
         # the data position is derived from the step, so the rows per step must not change
         raise CheckpointError(

@@ -14,8 +14,22 @@ from disttrain.config import Recipe
 from disttrain.errors import DisttrainError
 
 
+# Combinations not yet proven on a GPU are refused unless this is "1" (the GPU acceptance script sets it).
+ALLOW_UNVERIFIED = "DISTTRAIN_ALLOW_UNVERIFIED"
+
+# First deepspeed release with deepspeed PR #8148 (ZeRO-3 + frozen weights + activation checkpointing
+# recomputed gathered params with other metadata: torch CheckpointError, transformers issue #47254).
+DEEPSPEED_CHECKPOINTING_FIX = (0, 19, 3)
+
+
 def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     t, m = recipe.training, recipe.model
+    # GPU only: without one, QLoRA is refused just below whatever the strategy (the more basic reason)
+    if m.quantization and strategy == "fsdp" and gpu and os.environ.get(ALLOW_UNVERIFIED) != "1":
+        raise DisttrainError("model.quantization=4bit (QLoRA) under FSDP2 is unverified on GPU (upstream reports "
+                             "FSDP2 unsharding Params4bit without its quant_state: axolotl#2992, accelerate#3983); "
+                             "use the ddp config, or plain LoRA under FSDP (model.quantization=null), or set "
+                             f"{ALLOW_UNVERIFIED}=1 to try it")
     if m.quantization and not gpu:
         raise DisttrainError("model.quantization=4bit (QLoRA) needs a CUDA GPU (bitsandbytes kernels); on CPU "
                              "drop model.quantization (plain LoRA), e.g. `model.quantization=null`")
@@ -32,6 +46,44 @@ def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     if m.attn_implementation.startswith("flash_attention") and not gpu:
         raise DisttrainError(f"model.attn_implementation={m.attn_implementation} needs a CUDA GPU with "
                              "flash-attn installed; use sdpa")
+    check_deepspeed_version(recipe, strategy)
+
+
+def deepspeed_version() -> tuple[int, ...] | None:
+    """The installed deepspeed release (None: not installed); a function so tests can replace it."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def check_deepspeed_version(recipe: Recipe, strategy: str) -> None:
+    """ZeRO-3 + LoRA + gradient checkpointing crashes in the first backward on deepspeed before 0.19.3."""
+    if strategy != "deepspeed" or recipe.lora is None or not recipe.model.gradient_checkpointing:
+        return
+    stage, _, _ = _zero_settings()
+    found = deepspeed_version()
+    if stage == 3 and found is not None and found < DEEPSPEED_CHECKPOINTING_FIX:
+        fix = ".".join(map(str, DEEPSPEED_CHECKPOINTING_FIX))
+        raise DisttrainError(f"deepspeed {'.'.join(map(str, found))} crashes with ZeRO-3 + LoRA + gradient "
+                             f"checkpointing (CheckpointError; fixed in {fix}, deepspeed PR #8148): pip install "
+                             f"'deepspeed>={fix}', or set model.gradient_checkpointing=false")
+
+
+def _zero_settings() -> tuple[int | None, bool, str]:
+    """ZeRO stage, stage3_gather_16bit_weights_on_model_save, and where they came from: the DeepSpeed JSON
+    named by the accelerate config, else the accelerate config's own deepspeed_config keys."""
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    if config_file and config_file != "none" and Path(config_file).is_file():
+        zero = json.loads(Path(config_file).read_text()).get("zero_optimization", {})
+        return zero.get("stage"), zero.get("stage3_gather_16bit_weights_on_model_save", False), config_file
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
+    gather = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() == "true"
+    return stage, gather, "the accelerate config (zero3_save_16bit_model)"
 
 
 def check_zero3_export(recipe: Recipe, strategy: str) -> None:
@@ -39,14 +91,7 @@ def check_zero3_export(recipe: Recipe, strategy: str) -> None:
     run would train for hours and then fail at the very end; say so before the first step."""
     if strategy != "deepspeed" or not recipe.output.save_final_model:
         return
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
-    if config_file and config_file != "none" and Path(config_file).is_file():
-        zero = json.loads(Path(config_file).read_text()).get("zero_optimization", {})
-        stage, gather = zero.get("stage"), zero.get("stage3_gather_16bit_weights_on_model_save", False)
-    else:
-        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
-        gather = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() == "true"
-        config_file = "the accelerate config (zero3_save_16bit_model)"
+    stage, gather, config_file = _zero_settings()
     if stage == 3 and gather is not True:
         raise DisttrainError(f"{config_file}: ZeRO-3 with stage3_gather_16bit_weights_on_model_save unset or false "
                              "cannot export the final model (no rank holds all weights): set it to true, or set "

@@ -111,6 +111,14 @@ class DistributedSection(_Section):
                                              "comparisons across ranks while weights are replicated (DDP, ZeRO-1/2)")
     loss_spread_warning: float | None = Field(0.5, gt=0, description="Warn when per-rank losses of a log window "
                                               "differ by more than this fraction of the mean loss")
+    fsdp_sync_each_micro_batch: bool = Field(True, description="FSDP: reduce-scatter gradients after every "
+                                             "micro-batch, so only the gradient shard is held between them. false "
+                                             "skips the collective on non-final micro-batches but keeps every layer's "
+                                             "unsharded gradient until the last one (+2-4 bytes/parameter per GPU, "
+                                             "not divided by the world size)")
+    fsdp_reduce_in_fp32: bool = Field(True, description="FSDP with bf16/fp16 mixed precision: reduce gradients "
+                                      "in fp32, as DDP under autocast does (accelerate's default reduces in the "
+                                      "low precision)")
 
 
 class Recipe(_Section):

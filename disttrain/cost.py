@@ -6,7 +6,9 @@
 Compute: FLOPs = tokens x FLOPs/token (disttrain/flops.py: 6N + attention, LoRA-aware); time = FLOPs /
 (GPUs x dense peak x MFU). MFU is an assumption per strategy unless --mfu or a measured bench result
 (--bench bench/results.json) replaces it. Memory per GPU: model states by the ZeRO paper's accounting
-(16 bytes/parameter for mixed-precision Adam, divided per stage), activations (Korthikanti et al. 2022,
+(16 bytes/parameter for mixed-precision Adam, divided per stage; FSDP reduce-scatters every micro-batch by
+default, so gradients stay sharded: a recipe with distributed.fsdp_sync_each_micro_batch=false adds the
+unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthikanti et al. 2022,
 34 bytes x seq x batch x hidden per layer with flash/SDPA attention; 2 bytes per layer plus one layer's
 34 with gradient checkpointing), logits (bf16 + fp32 copy + fp32 grad = 10 bytes x seq x batch x vocab),
 and a 2 GB reserve (CUDA context, communication buffers). Estimates, not measurements: leave headroom.
@@ -43,10 +45,23 @@ class Workload:
     gradient_checkpointing: bool
     lora_params: float | None = None      # trainable adapter parameters (None: full fine-tune)
     weight_bytes: float = 2.0             # frozen base weights under LoRA: 2 bf16, 0.5 for 4-bit
+    # FSDP with distributed.fsdp_sync_each_micro_batch=false and grad_accum > 1: every layer's gradient stays
+    # unsharded between micro-batches (4 bytes/trainable parameter when reduced in fp32, else 2), per GPU
+    fsdp_unsharded_grad_bytes: float = 0.0
+
+
+def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
+    trainable = w.params if w.lora_params is None else w.lora_params
+    return w.fsdp_unsharded_grad_bytes * trainable / 1e9 if strategy.startswith("fsdp") else 0.0
 
 
 def model_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
     """(GPU GB, host GB) for weights + gradients + optimizer states of one GPU."""
+    gpu, host = _sharded_states_gb(w, strategy, n)
+    return gpu + _fsdp_no_sync_gb(w, strategy), host
+
+
+def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
     p = w.params
     if w.lora_params is None:
         per_gpu = {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n,
@@ -107,7 +122,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
 def _workload_from_args(args) -> tuple[Workload, str]:
     shape = None
     lora = None
-    weight_bytes = 2.0
+    weight_bytes, no_sync_bytes = 2.0, 0.0
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
     title = ""
     if args.recipe or args.config:
@@ -128,6 +143,8 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             if recipe.lora is not None:
                 lora = (recipe.lora.r, recipe.lora.target_modules)
+            if not recipe.distributed.fsdp_sync_each_micro_batch and recipe.training.grad_accum > 1:
+                no_sync_bytes = 4.0 if recipe.distributed.fsdp_reduce_in_fp32 else 2.0
         config = AutoConfig.from_pretrained(find_config_dir(name))
         shape = shape_from_config(config)
         params = shape.params
@@ -144,7 +161,8 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     elif args.lora_params:
         lora_params = args.lora_params
         title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
-    return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes), title
+    return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
+                    no_sync_bytes), title
 
 
 def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:

@@ -26,8 +26,15 @@ class ModelShape:
 
 
 def numel(p) -> int:
-    """Full size of a parameter: ZeRO-3 keeps an empty local placeholder (ds_numel); DTensors are global."""
-    return getattr(p, "ds_numel", p.numel())
+    """Full size of a parameter: ZeRO-3 keeps an empty local placeholder (ds_numel); DTensors are global.
+    bitsandbytes' quantized 4-bit weights (Params4bit) pack two values per byte of their storage dtype, so
+    numel() is the packed count: scaled back as transformers' num_parameters does."""
+    n = getattr(p, "ds_numel", None)
+    n = p.numel() if n is None else n
+    # by class name: bitsandbytes stays an optional import; bnb_quantized is False until the weight is packed
+    if type(p).__name__ == "Params4bit" and getattr(p, "bnb_quantized", False):
+        n *= 2 * p.element_size()
+    return n
 
 
 def shape_from_model(model, config) -> ModelShape:

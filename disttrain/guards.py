@@ -119,6 +119,18 @@ def warn_elastic_shared_store() -> None:
               f"See {TROUBLESHOOTING}#elastic-shared-store", file=sys.stderr, flush=True)
 
 
+def warn_short_shutdown_timeout() -> None:
+    """A preemption SIGTERM reaches the launcher, whose torchrun agent forwards it to the workers and SIGKILLs
+    them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default): too short for a large checkpoint."""
+    launched_by_agent = "TORCHELASTIC_RUN_ID" in os.environ
+    configured = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT")
+    if launched_by_agent and not configured and int(os.environ.get("RANK", "0")) == 0:
+        print("note: on SIGTERM (preemption, scancel) the launcher gives the workers 30 s to checkpoint before "
+              "it kills them; a large checkpoint needs longer: launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 "
+              f"(make train-* sets it). See {TROUBLESHOOTING}#preemption-checkpoint-cut-off",
+              file=sys.stderr, flush=True)
+
+
 @contextmanager
 def collective_failures_explained():
     """Re-raise a collective timeout / lost peer as one user-facing line (the traceback says nothing more)."""

@@ -29,6 +29,7 @@ ACCELERATORS = {a.name: a for a in [
     Accelerator("H200", 141, 989, 3.8),       # same compute as H100 SXM, more/faster HBM
     Accelerator("B200", 180, 2250, 5.5),      # NVIDIA HGX B200 datasheet, per GPU
     Accelerator("L40S", 48, 362, 1.0),
+    Accelerator("L40", 48, 181, 0.9),         # NVIDIA L40 datasheet (362 is with sparsity)
     Accelerator("L4", 24, 121, 0.7),
     Accelerator("A10", 24, 125, 0.8),
     Accelerator("RTX 4090", 24, 165, 0.8),    # Ada whitepaper, FP16/BF16 tensor with FP16 accumulate

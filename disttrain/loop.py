@@ -99,6 +99,18 @@ def _as_float(value) -> float:
     return float(value) if value is not None else float("nan")
 
 
+def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(loss sum, target count) per dataset row, whether the rows came padded side by side or flattened into
+    one row (flash-attention packing): gather_for_metrics drops duplicated rows by counting dataset rows."""
+    targets = (labels != IGNORE_INDEX).to(per_token.dtype)
+    if per_token.shape[0] == batch[LENGTHS_KEY].shape[0]:
+        return torch.stack([per_token.sum(-1), targets.sum(-1)], dim=-1)
+    lengths = batch[LENGTHS_KEY]
+    row_of_label = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[1:]
+    sums = per_token.new_zeros(len(lengths), 2)
+    return sums.index_add_(0, row_of_label, torch.stack([per_token[0], targets[0]], dim=-1))
+
+
 @torch.no_grad()
 def evaluate(accelerator, model, loader) -> float:
     """Token-weighted mean loss over the eval set; duplicated padding samples are dropped by gather_for_metrics."""
@@ -110,8 +122,7 @@ def evaluate(accelerator, model, loader) -> float:
         labels = batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(
             logits[:, :-1].transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-        per_row = torch.stack([per_token.sum(-1), (labels != IGNORE_INDEX).sum(-1).to(per_token.dtype)], dim=-1)
-        per_row = accelerator.gather_for_metrics(per_row)
+        per_row = accelerator.gather_for_metrics(_per_row_sums(per_token, labels, batch))
         loss_sum += per_row[:, 0].sum()
         n_tokens += per_row[:, 1].sum()
     model.train()
@@ -135,7 +146,16 @@ class _Window:
         self.steps = 0
         self.padded_tokens = 0
         self.data_wait = 0.0
+        self.excluded_s = 0.0  # evaluation, checkpoints, replica checks: not training time
         self.started = time.perf_counter()
+
+    def timed_apart(self, work):
+        """Run `work()` outside the training time of this window; returns (its result, its seconds)."""
+        started = time.perf_counter()
+        result = work()
+        took = time.perf_counter() - started
+        self.excluded_s += took
+        return result, took
 
     def add_micro(self, loss_sum: torch.Tensor, batch: dict):
         # device tensors only: a Python number copied to a GPU would synchronise the stream every micro-batch
@@ -155,7 +175,7 @@ class _Window:
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
         mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
-        elapsed = time.perf_counter() - self.started
+        elapsed = max(time.perf_counter() - self.started - self.excluded_s, 1e-9)
         devices = per_rank.shape[0]
         record = {
             "loss": float(mean_loss),
@@ -178,6 +198,8 @@ class _Window:
             record["tflops_per_device"] = tflops
             if self.peak_flops:
                 record["mfu"] = tflops * 1e12 / self.peak_flops
+                if record["mfu"] > 1.0:  # impossible: the peak (or the FLOP count) is wrong, not the run
+                    record["mfu_suspect"] = True
                 record["peak_tflops_per_device"] = self.peak_flops / 1e12
                 if self.meter.recompute:  # hardware FLOPs utilisation: the recomputed forward included
                     record["hfu"] = float(f["flops"].sum() + f["recompute_flops"].sum()) / elapsed / devices \
@@ -242,15 +264,18 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
                      "epoch": state.epoch, "tokens_seen": state.tokens_seen}, state.step)
                 warn_loss_spread(summary, state.step, accelerator.print)
                 window.reset()
+            # timed apart from the window: tokens/s and MFU count training time only
             if replicas_every and state.step % replicas_every == 0:
-                guards.check_replicas(accelerator, model, state.step,
-                                      checkpointer.last_saved if checkpointer is not None else None)
+                window.timed_apart(lambda: guards.check_replicas(
+                    accelerator, model, state.step, checkpointer.last_saved if checkpointer is not None else None))
             if eval_loader is not None and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
                 guards.at("evaluation", step)
-                log({"eval_loss": evaluate(accelerator, model, eval_loader)}, state.step)
+                eval_loss, took = window.timed_apart(lambda: evaluate(accelerator, model, eval_loader))
+                log({"eval_loss": eval_loss, "eval_time_s": took}, state.step)
             if save:
                 guards.at("saving a checkpoint", step)
-                checkpointer.save(state)
+                _, took = window.timed_apart(lambda: checkpointer.save(state))
+                log({"checkpoint_time_s": took}, state.step)
             if stop or last:
                 return state
     return state

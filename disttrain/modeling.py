@@ -92,8 +92,10 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool = False) -> Path:
+def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool = False, *,
+           spec: ModelSection | None = None) -> Path:
     """Write a standard HF dir (safetensors + config + tokenizer) that from_pretrained loads.
+    `spec` (the recipe's model section) is how the base model is reloaded for `merge_lora`.
 
     Every rank takes part in gathering the weights (FSDP/ZeRO-3 shards are collected to the main process
     only); only the main process writes, into a temporary dir renamed into place, so a crash never leaves
@@ -107,7 +109,7 @@ def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool 
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if merge_lora and is_peft_model(unwrapped):
-            _save_merged(tmp, unwrapped)
+            _save_merged(tmp, unwrapped, spec)
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -116,12 +118,19 @@ def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool 
     return out
 
 
-def _save_merged(adapter_dir: Path, peft_model) -> None:
-    """Merge the adapter into a CPU copy of the base model and save it under adapter_dir/merged."""
+def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection | None = None) -> None:
+    """Merge the adapter into a CPU copy of the base model and save it under adapter_dir/merged.
+    The base is reloaded as the recipe loaded it (revision, remote code, dtype): another revision or dtype
+    would merge the adapter into other weights. Without `spec` (old callers): the live model's dtype."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=peft_model.dtype)
+    if spec is None:
+        kwargs = {"dtype": peft_model.dtype}
+    else:
+        kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
+                  "dtype": _DTYPES[spec.dtype]}
+    base = AutoModelForCausalLM.from_pretrained(base_path, use_safetensors=True, **kwargs)  # never unpickle
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(adapter_dir / "merged", safe_serialization=True)

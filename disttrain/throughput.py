@@ -3,11 +3,13 @@
 FLOPs per micro-batch = dense FLOPs/token x non-padding tokens + attention coefficient x sum over
 sequences of length^2 (packed examples counted separately: they do not attend to each other). Padding is
 not counted: MFU here is useful work. Peak: the dense bf16 figure of the device from disttrain/hardware.py
-when its name is known, else (CPUs, unknown GPUs) a timed matmul at the run's dtype, labelled "measured".
+when its name is known, else (CPUs, unknown GPUs) the best of timed matmuls at the run's dtype, labelled
+"measured".
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -16,37 +18,52 @@ from disttrain.data import LENGTHS_KEY, SQUARES_KEY
 from disttrain.flops import ModelShape
 from disttrain.hardware import ACCELERATORS
 
-# torch device-name fragments -> hardware table entry; the more specific first (A100 before A10 ...)
+# Tokens of the torch device name (split on spaces, '-', '_') -> hardware table entry. Tokens match exactly,
+# so "L40" is not "L4" and "A10G" (a different, slower part) is not "A10"; variants (more tokens) come first.
 _NAME_PATTERNS = [(("H100", "PCIE"), "H100-PCIe"), (("H100", "NVL"), "H100-NVL"), (("H100",), "H100"),
-                  (("H200",), "H200"), (("B200",), "B200"), (("A100",), "A100"), (("L40S",), "L40S"),
-                  (("L4",), "L4"), (("A10",), "A10"), (("4090",), "RTX 4090"), (("3090",), "RTX 3090"),
-                  (("A6000",), "A6000"), (("V100",), "V100"), (("MI250X",), "MI250X"), (("MI300X",), "MI300X")]
+                  (("H200",), "H200"), (("B200",), "B200"), (("A100", "40GB"), "A100-40GB"), (("A100",), "A100"),
+                  (("L40S",), "L40S"), (("L40",), "L40"), (("L4",), "L4"), (("A10",), "A10"),
+                  (("RTX", "4090"), "RTX 4090"), (("RTX", "3090"), "RTX 3090"), (("A6000",), "A6000"),
+                  (("V100",), "V100"), (("MI250X",), "MI250X"), (("MI300X",), "MI300X")]
 
 
 def table_peak(device_name: str) -> float | None:
-    """Dense bf16 FLOP/s of a known accelerator, from its torch device name."""
-    upper = device_name.upper()
-    for fragments, key in _NAME_PATTERNS:
-        if all(f in upper for f in fragments):
+    """Dense bf16 FLOP/s of a known accelerator, from its torch device name (None: not in the table)."""
+    tokens = set(re.split(r"[\s\-_]+", device_name.upper()))
+    for required, key in _NAME_PATTERNS:
+        if tokens.issuperset(required):
             return ACCELERATORS[key].peak_tflops * 1e12
     return None
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a square matmul on this device and dtype (best of `repeats`)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+def measured_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None,
+                  repeats: int = 5, budget_s: float = 0.25) -> float:
+    """Best FLOP/s of square matmuls on this device and dtype: best of `repeats` per size, max over sizes.
+    One small matmul underestimates a GPU (launch overhead, unsaturated SMs), which pushed MFU over 100 %.
+    Sizes stop growing when one matmul of the next would take over `budget_s` (e.g. fp16 on a CPU), so this
+    stays cheap: well under a second on a CPU, a few on a GPU (the first cuBLAS call included)."""
+    cuda = device.type == "cuda"
+    sizes = sizes or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
+    best_flops = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        times = []
+        for _ in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            a @ b
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            if times[-1] > budget_s:
+                break
+        # the first run is a warm-up (kernel selection, caches): not counted unless it is all there is
+        best_flops = max(best_flops, 2 * n**3 / min(times[1:] or times))
+        if 8 * min(times) > budget_s:  # the next size (2x) would cost 8x
+            break
+    return best_flops
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

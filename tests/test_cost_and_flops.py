@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import REPO
 from disttrain.cost import ASSUMED_MFU, Workload, main, model_states_gb
 from disttrain.flops import shape_from_config, training_flops_per_token
 from disttrain.hardware import ACCELERATORS, lookup
@@ -78,6 +79,27 @@ def test_memory_model_by_hand():
     lora = Workload(7e9, None, 1e9, 2048, 1, False, lora_params=40e6)
     assert model_states_gb(lora, "ddp", 8)[0] == pytest.approx(14 + 0.64)
     assert model_states_gb(lora, "fsdp", 8)[0] == pytest.approx((14 + 0.64) / 8)
+
+
+def test_fsdp_no_sync_micro_batches_add_unsharded_gradients_per_gpu(tmp_path):
+    """distributed.fsdp_sync_each_micro_batch=false with accumulation: the planner adds the unsharded fp32
+    gradients (not divided by the GPU count), as tests/test_fsdp_gradients.py measures them held."""
+    import yaml
+
+    from disttrain.cost import workload_from_recipe
+
+    w = Workload(8e9, None, 1e9, 2048, 1, False, fsdp_unsharded_grad_bytes=4.0)
+    assert model_states_gb(w, "fsdp", 8)[0] == pytest.approx(16.0 + 32.0)
+    assert model_states_gb(w, "zero3", 8)[0] == pytest.approx(16.0)
+    recipe = yaml.safe_load((REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml").read_text())
+    recipe["training"]["grad_accum"] = 4
+    recipe.setdefault("distributed", {})["fsdp_sync_each_micro_batch"] = False
+    path = tmp_path / "no_sync.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    no_sync, _ = workload_from_recipe(str(path))
+    default, _ = workload_from_recipe(str(REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml"))
+    extra = model_states_gb(no_sync, "fsdp", 8)[0] - model_states_gb(default, "fsdp", 8)[0]
+    assert extra == pytest.approx(4 * default.params / 1e9)
 
 
 def test_seed_example_7b_100b_tokens_on_4_rtx4090_fsdp(capsys):

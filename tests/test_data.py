@@ -1,4 +1,5 @@
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -126,6 +127,77 @@ def test_packed_examples_do_not_attend_to_each_other(tiny_model_dir, tokenizer):
         leaky = model(input_ids=packed["input_ids"], use_cache=False).logits[0, len(a):]  # one causal mask
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(leaky, alone, atol=1e-3)
+
+
+def _two_packed_rows(tokenizer):
+    texts = ["apple river stone cloud", "green quick light", "stone apple", "cloud river green quick stone"]
+    examples = [tokenizer(t)["input_ids"] for t in texts]
+    pairs = [pack_rows(examples[i:i + 2], examples[i:i + 2], max_len=64) for i in (0, 2)]
+    return examples, [{k: v[0] for k, v in rows.items()} for rows in pairs]  # two rows of two examples
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flash_attention_2"])
+def test_packed_micro_batches_stay_isolated_for_every_attention_implementation(implementation, tiny_model_dir,
+                                                                                tokenizer):
+    """A micro-batch of two packed rows, collated as train.py collates it for this implementation: every
+    example's logits equal its logits alone. flash_attention_2 runs transformers' own flash dispatch with CPU
+    reference kernels (tests/flash_cpu.py); without flattening, its rows would attend across examples."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.data import flattens_packed_rows
+    from flash_cpu import cpu_flash_attention
+
+    flash = implementation.startswith("flash")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa" if flash else
+                                                 implementation).eval()
+    examples, rows = _two_packed_rows(tokenizer)
+    collate = Collator(tokenizer.pad_token_id, flatten_packed=flattens_packed_rows(implementation))
+    batch = collate(rows)
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens", "seq_len_sq")}
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([e]), use_cache=False).logits[0] for e in examples]
+        with cpu_flash_attention(model, implementation) if flash else nullcontext():
+            logits = model(**inputs, use_cache=False).logits.reshape(-1, alone[0].shape[-1])
+            if flash:  # the collation the fix replaced: one causal sequence per row
+                padded = Collator(tokenizer.pad_token_id)(rows)
+                leaky = model(input_ids=padded["input_ids"], position_ids=padded["position_ids"],
+                              use_cache=False).logits
+    if not flattens_packed_rows(implementation):  # rows side by side, padded to the longest
+        logits = torch.cat([logits[i * batch["input_ids"].shape[1]:][:n] for i, n in
+                            enumerate(batch["num_tokens"].tolist())])
+    torch.testing.assert_close(logits, torch.cat(alone), atol=1e-5, rtol=1e-4)
+    if flash:
+        second = leaky[0, len(examples[0]):len(examples[0]) + len(examples[1])]
+        assert not torch.allclose(second, alone[1], atol=1e-3), "the control should leak across examples"
+
+
+def test_flattened_packed_batch_has_the_same_loss_targets_and_eval_rows(tiny_model_dir, tokenizer):
+    """Flattening changes the layout only: same token-normalised loss, target count and per-row eval sums."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    from disttrain.loop import _per_row_sums
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    _, rows = _two_packed_rows(tokenizer)
+    side_by_side = Collator(tokenizer.pad_token_id)(rows)
+    flat = Collator(tokenizer.pad_token_id, flatten_packed=True)(rows)
+    # upstream's decision: position ids mean "packed" to flash-attention at batch size 1 only
+    assert not _is_packed_sequence(side_by_side["position_ids"], batch_size=2)
+    assert flat["cu_seq_lens_q"].tolist()[-1] == flat["input_ids"].shape[1] == sum(flat["num_tokens"].tolist())
+    assert int(count_targets(flat)) == int(count_targets(side_by_side))
+    results = []
+    for batch in (side_by_side, flat):
+        inputs = {k: v for k, v in batch.items() if k not in ("num_tokens", "seq_len_sq")}
+        with torch.no_grad():
+            out = model(**inputs, use_cache=False, num_items_in_batch=count_targets(batch))
+        labels = batch["labels"][:, 1:]
+        per_token = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), labels,
+                                                      ignore_index=IGNORE_INDEX, reduction="none")
+        results.append((out.loss, _per_row_sums(per_token, labels, batch)))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
+    assert results[1][1].shape == (2, 2)
 
 
 def test_collator_pads_right_and_counts(tokenizer):

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.launch
 # each recipe under the strategy it is written for (plus variety: tied embeddings under ZeRO-3)
 SHIPPED = {
     "tiny/sft.yaml": "ddp",
-    "qwen2.5-7b/lora_sft.yaml": "zero2",
-    "qwen2.5-7b/qlora_sft.yaml": "fsdp",
+    "qwen2.5-7b/lora_sft.yaml": "zero3",  # with its gradient checkpointing: needs deepspeed >= 0.19.3
+    "qwen2.5-7b/qlora_sft.yaml": "ddp",  # QLoRA under FSDP2 is refused until a GPU run verifies it
     "qwen2.5-0.5b/full_sft.yaml": "zero3",
     "llama-3.1-8b/full_sft_fsdp.yaml": "fsdp",
 }

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -77,28 +78,58 @@ def test_stop_and_resume_matches_uninterrupted(strategy, lora, tmp_path, tiny_mo
     assert kept == ["latest", "step-00000009", "step-00000010"]  # keep_last=2
 
 
-def test_sigterm_checkpoints_and_resumes(tmp_path, tiny_model_dir, small_data):
-    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
-    r.write_text(r.read_text().replace(f"max_steps: {STEPS}", "max_steps: 400"))  # long enough to be signalled
-    log_path = tmp_path / "run.log"
-    proc = start_launch("ddp", r, log_path)
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
-            time.sleep(0.2)
-        # what a scheduler's preemption does: SIGTERM to every training process
-        for rank in rank_processes(proc).values():
-            rank.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        kill_launch(proc)
-    out = log_path.read_text()
-    assert proc.returncode == 0, out[-3000:]
+def start_make(target: str, recipe_path: Path, log_path: Path, env=None, *make_vars: str) -> subprocess.Popen:
+    """`make <target> GPUS=2 RECIPE=...` exactly as a user types it, output in log_path."""
+    cmd = ["make", "-s", target, "GPUS=2", f"MASTER_PORT={free_port()}", f"RECIPE={recipe_path}", *make_vars]
+    with log_path.open("w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def signal_the_launcher_after(job: subprocess.Popen, metrics: Path, lines: int) -> None:
+    """SIGTERM to the `accelerate launch` process only, as SLURM, Kubernetes or a cloud preemption signals
+    the launcher: its torchrun agent forwards the signal to the workers and kills them after its timeout."""
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
+        time.sleep(0.2)
+    launchers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                 if "launch" in p.cmdline() and "RANK" not in p.environ()]
+    assert len(launchers) == 1, [p.cmdline() for p in launchers]
+    launchers[0].send_signal(signal.SIGTERM)
+
+
+def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s(tmp_path, tiny_model_dir,
+                                                                                     small_data):
+    """`make train-ddp`, the launcher signalled while the checkpoint save takes 35 s (tests/slow_save): the
+    workers finish the step, checkpoint and exit before the launcher's shutdown timeout (SHUTDOWN_TIMEOUT),
+    and the same command resumes from that checkpoint. Control: with a shutdown timeout shorter than the
+    save, the launcher kills the workers inside it and no checkpoint is complete."""
+    slow = {"PYTHONPATH": str(REPO / "tests" / "slow_save")}
+    runs = {}
+    for name, delay, make_vars in (("control", 8, ["SHUTDOWN_TIMEOUT=3"]), ("run", 35, [])):
+        r = recipe(tmp_path, tiny_model_dir, small_data, name)
+        r.write_text(r.read_text().replace(f"max_steps: {STEPS}", "max_steps: 400")
+                     .replace("checkpoint_every: 3", "checkpoint_every: null"))
+        job = start_make("train-ddp", r, tmp_path / f"{name}.log",
+                         {**slow, "DISTTRAIN_TEST_SAVE_DELAY_S": str(delay)}, *make_vars)
+        try:
+            started = time.time()
+            signal_the_launcher_after(job, tmp_path / name / "metrics.jsonl", lines=5)
+            job.wait(timeout=180)
+            runs[name] = (r, (tmp_path / f"{name}.log").read_text(), time.time() - started)
+        finally:
+            kill_launch(job)
+    r, out, elapsed = runs["control"]
+    assert "checkpoint save delayed" in out, out[-3000:]
+    assert not [p for p in (tmp_path / "control" / "checkpoints").iterdir() if p.name.startswith("step-")], out[-3000:]
+    r, out, elapsed = runs["run"]
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
-    assert stopped, out[-3000:]
+    assert stopped and elapsed > 35, out[-3000:]
     step = int(stopped[0].split()[3].split("/")[0])
-    assert 8 <= step < 400 and (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
+    assert 5 <= step < 400 and (tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    resumed = launch("ddp", r, overrides=["training.max_steps=400", f"training.stop_at_step={step + 2}"])
+    assert_ok(resumed)
+    assert f"step-{step:08d} at step {step}/400" in resumed.stdout
 
 
 def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
@@ -154,9 +185,7 @@ def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrup
                         .replace("checkpoint_every: 3", "checkpoint_every: 10"))
     assert_ok(launch("ddp", a))
     log_path = tmp_path / "elastic.log"
-    cmd = ["make", "-s", "train-ddp", "MAX_RESTARTS=1", "GPUS=2", f"MASTER_PORT={free_port()}", f"RECIPE={b}"]
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    job = start_make("train-ddp", b, log_path, None, "MAX_RESTARTS=1")
     try:
         kill_rank_1_after_the_first_checkpoint(job, tmp_path / "b")  # the launcher, not the test, brings it back
         assert job.wait(timeout=300) == 0, log_path.read_text()[-4000:]
@@ -241,3 +270,5 @@ def test_world_size_change(tmp_path, tiny_model_dir, small_data):
     proc = launch("zero2", z, nproc=1, overrides=["training.grad_accum=4"], timeout=120)
     assert proc.returncode != 0
     assert "written by 2 processes, this run has 1: DeepSpeed ZeRO shards are per rank" in proc.stderr
+    script = tmp_path / "z" / "checkpoints" / "step-00000003" / "zero_to_fp32.py"  # where DeepSpeed writes it
+    assert script.is_file() and f"python {script} " in proc.stderr

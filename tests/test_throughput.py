@@ -8,17 +8,39 @@ from disttrain.throughput import FlopsMeter, measured_peak, mfu_band, table_peak
 
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10G", 125), ("NVIDIA L40S", 362), ("NVIDIA L4", 121),
-    ("NVIDIA GeForce RTX 4090", 165), ("NVIDIA RTX A6000", 155), ("Tesla V100-SXM2-32GB", 125),
-    ("AMD Instinct MI300X", 1307),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A10", 125),
+    ("NVIDIA GeForce RTX 4090", 165), ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA RTX A6000", 155),
+    ("Tesla V100-SXM2-32GB", 125), ("AMD Instinct MI300X", 1307), ("NVIDIA B200", 2250),
 ])
 def test_device_names_map_to_dense_peaks(name, tflops):
     assert table_peak(name) == tflops * 1e12
 
 
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "Some Future GPU", "NVIDIA RTX 6000 Ada Generation"])
+def test_names_match_whole_tokens(name):
+    # "A10G" contains "A10" (and "L40" contains "L4"): a different part, so measured, not a wrong datasheet
+    assert table_peak(name) is None
+
+
 def test_unknown_devices_get_a_measured_peak():
-    assert table_peak("Some Future GPU") is None
-    assert measured_peak(torch.device("cpu"), torch.float32, n=256, repeats=2) > 1e8
+    import time
+
+    start = time.perf_counter()
+    assert measured_peak(torch.device("cpu"), torch.float32) > 1e8
+    assert measured_peak(torch.device("cpu"), torch.float16) > 0  # slow on CPUs: the size budget keeps it short
+    assert time.perf_counter() - start < 5
+
+
+def test_measured_peak_is_the_best_size(monkeypatch):
+    """Max over sizes of the best repeat, warm-up excluded: small matmuls and first calls understate a peak."""
+    import disttrain.throughput as throughput
+
+    clock = iter([0.0, 1.0,  # n=2: warm-up, 1 s (ignored)
+                  0.0, 0.5, 0.0, 0.25,  # n=2: 0.5 s, 0.25 s -> 16 / 0.25 = 64 FLOP/s
+                  0.0, 1.0, 0.0, 2.0, 0.0, 1.0])  # n=4: 2 s, 1 s -> 128 / 1 = 128 FLOP/s
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    assert measured_peak(torch.device("cpu"), torch.float32, sizes=(2, 4), repeats=2, budget_s=100) == 128
 
 
 def test_batch_flops_by_hand():
@@ -42,3 +64,38 @@ def test_recompute_counts_in_hfu_only():
 def test_mfu_bands():
     assert [mfu_band(x) for x in (0.05, 0.2, 0.4, 0.5, 0.6)] == ["problem", "normal", "good", "excellent",
                                                                  "near the limit"]
+
+
+class _OneProcess:
+    def gather(self, tensor):
+        return tensor
+
+
+@pytest.mark.parametrize("peak, suspect", [(1.0, True), (1e30, False)])
+def test_mfu_over_100_percent_is_flagged(peak, suspect):
+    """MFU above 1 is a wrong peak (or FLOP count), not a fast run: the log line says so."""
+    from disttrain.loop import _Window
+
+    shape = ModelShape(params=1000, matmul_params=800, layers=2, heads=4, head_dim=8, hidden=32, vocab=50)
+    window = _Window(torch.device("cpu"), FlopsMeter(shape, None), peak_flops=peak)
+    batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
+    window.add_micro(torch.tensor(1.5), batch)
+    window.steps = 1
+    record = window.summarize(_OneProcess())
+    assert (record["mfu"] > 1.0) is suspect
+    assert record.get("mfu_suspect", False) is suspect
+
+
+def test_time_spent_apart_from_training_is_not_in_throughput():
+    """Evaluation and checkpoint time (timed_apart) is left out of step time, tokens/s and MFU."""
+    import time
+
+    from disttrain.loop import _Window
+
+    window = _Window(torch.device("cpu"))
+    window.add_micro(torch.tensor(1.5), Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]))
+    window.steps = 1
+    result, took = window.timed_apart(lambda: time.sleep(0.3) or "saved")
+    record = window.summarize(_OneProcess())
+    assert result == "saved" and took >= 0.3
+    assert record["step_time_s"] < 0.2 and record["tokens_per_s"] > 3 / 0.2

@@ -1,0 +1,75 @@
+"""Checkpoint bookkeeping without processes: which checkpoints pruning keeps, and which directory a new run
+refuses. (Saving and resuming real states under every strategy: tests/test_resume.py.)"""
+
+from pathlib import Path
+
+import pytest
+
+from disttrain import checkpoint
+from disttrain.checkpoint import CheckpointError, Checkpointer, RunShape
+from disttrain.loop import TrainState
+
+
+class OneProcess:
+    """The accelerator calls checkpoint.save makes, for a single process writing one file of state."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, directory: str):
+        (Path(directory) / "model.safetensors").write_bytes(b"weights")
+
+    def print(self, *args):
+        pass
+
+
+def save_at(out: Path, steps, keep_last=2) -> Checkpointer:
+    saver = Checkpointer(OneProcess(), out, every=1, at_end=True, keep_last=keep_last, shape=RunShape(1, "ddp", 1, 1))
+    for step in steps:
+        saver.save(TrainState(step=step))
+    return saver
+
+
+def names(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_keep_last_keeps_the_newest_saves(tmp_path):
+    save_at(tmp_path, [1, 2, 3, 4])
+    assert names(tmp_path) == ["latest", "step-00000003", "step-00000004"]
+
+
+def test_a_run_resumed_from_an_older_checkpoint_never_prunes_what_it_just_wrote(tmp_path):
+    """Resumed from step 3 while steps 10 and 20 of the abandoned continuation are still there: the new
+    step-6 and step-9 checkpoints are kept (pruning by step number deleted them) and `latest` names them."""
+    save_at(tmp_path, [3, 10, 20], keep_last=3)
+    save_at(tmp_path, [6], keep_last=2)
+    assert names(tmp_path) == ["latest", "step-00000006", "step-00000020"]
+    assert checkpoint.find(tmp_path, "auto").name == "step-00000006"
+    save_at(tmp_path, [9], keep_last=2)
+    assert names(tmp_path) == ["latest", "step-00000006", "step-00000009"]
+    assert checkpoint.find(tmp_path, "auto").name == "step-00000009"
+
+
+def test_keep_last_one_keeps_only_the_checkpoint_just_written(tmp_path):
+    save_at(tmp_path, [5, 8])
+    save_at(tmp_path, [2], keep_last=1)
+    assert names(tmp_path) == ["latest", "step-00000002"]
+
+
+def test_a_new_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
+    checkpoint.check_fresh_start(tmp_path, "none")  # nothing there: fine
+    save_at(tmp_path, [4])
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_fresh_start(tmp_path, "none")
+    message = str(error.value)
+    assert "step-00000004" in message and "output.resume=auto" in message and "new output.dir" in message
+    checkpoint.check_fresh_start(tmp_path, "auto")  # resuming it is what auto does
+
+
+def test_the_save_order_does_not_leak_into_the_resumed_train_state(tmp_path):
+    saver = save_at(tmp_path, [4])
+    state = checkpoint.check_shape(saver.last_saved, RunShape(1, "ddp", 1, 1))
+    assert state == {"step": 4, "epoch": 0, "tokens_seen": 0}
