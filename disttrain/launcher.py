@@ -29,6 +29,27 @@ def launch_command(config: str | Path, nproc: int, script: str | Path, *args: st
             str(REPO / script), *args]
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every process under it. torchrun starts its workers in sessions of their own, so
+    killing the launcher's process group alone would leave them running (and holding its output pipes)."""
+    import psutil
+
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)  # before the parent dies and they move
+    except psutil.Error:
+        below = []
+    for p in below:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
 def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None) -> subprocess.CompletedProcess:
     """Run from the repository root (relative ds_configs paths), one CPU thread per process. After
     `timeout_s` the launcher and every process it started are killed (returncode -9, the output kept)."""
@@ -40,12 +61,12 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None) -
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         stdout, stderr = proc.communicate()
         stderr += f"\n(killed after {timeout_s:g}s)"
     except BaseException:  # Ctrl-C while waiting: the own process group would not get it
         if timeout_s is not None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
         raise
     log_path.write_text(stdout + "\n" + stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -92,8 +92,7 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool = False, *,
-           spec: ModelSection | None = None) -> Path:
+def export(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSection, merge_lora: bool = False) -> Path:
     """Write a standard HF dir (safetensors + config + tokenizer) that from_pretrained loads.
     `spec` (the recipe's model section) is how the base model is reloaded for `merge_lora`.
 
@@ -118,19 +117,16 @@ def export(accelerator, model, tokenizer, out_dir: str | Path, merge_lora: bool 
     return out
 
 
-def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection | None = None) -> None:
+def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection) -> None:
     """Merge the adapter into a CPU copy of the base model and save it under adapter_dir/merged.
     The base is reloaded as the recipe loaded it (revision, remote code, dtype): another revision or dtype
-    would merge the adapter into other weights. Without `spec` (old callers): the live model's dtype."""
+    would merge the adapter into other weights."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
-    if spec is None:
-        kwargs = {"dtype": peft_model.dtype}
-    else:
-        kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
-                  "dtype": _DTYPES[spec.dtype]}
-    base = AutoModelForCausalLM.from_pretrained(base_path, use_safetensors=True, **kwargs)  # never unpickle
+    base = AutoModelForCausalLM.from_pretrained(base_path, revision=spec.revision, dtype=_DTYPES[spec.dtype],
+                                                trust_remote_code=spec.trust_remote_code,
+                                                use_safetensors=True)  # never unpickle
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(adapter_dir / "merged", safe_serialization=True)
