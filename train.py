@@ -65,14 +65,14 @@ def main(argv=None):
     # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others.
     guards.at("tokenising on the main process first (the other ranks wait for it)")
     tokenizer = modeling.load_tokenizer(recipe.model)
-    train_set, eval_set, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
-                                                       accelerator.main_process_first)
-    outputs.report_data(accelerator, reports)
+    train_set, eval_sets, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
+                                                        accelerator.main_process_first)
+    outputs.report_data(accelerator, reports, recipe.output.dir)
 
     # 4. How long: optimizer steps from data size, batch, accumulation and world size.
     per_epoch = loop.steps_per_epoch(len(train_set), cfg.micro_batch_size, accelerator.num_processes, cfg.grad_accum)
     if per_epoch == 0:
-        raise DataError(f"{recipe.data.path}: {len(train_set)} training rows cannot fill one optimizer step of "
+        raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one optimizer step of "
                         f"micro_batch_size x grad_accum x processes = "
                         f"{cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes} rows")
     total_steps = cfg.max_steps or per_epoch * cfg.epochs
@@ -86,11 +86,12 @@ def main(argv=None):
     collator = data.Collator(tokenizer.pad_token_id,
                              flatten_packed=data.flattens_packed_rows(recipe.model.attn_implementation))
     train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
-    eval_loader = data.make_loader(eval_set, cfg.micro_batch_size, collator, False, False) if eval_set else None
+    eval_loaders = {name: data.make_loader(rows, cfg.micro_batch_size, collator, False, False)
+                    for name, rows in eval_sets.items()}
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
@@ -111,7 +112,7 @@ def main(argv=None):
     log = MetricsLogger(accelerator, recipe.output.dir, total_steps, initial_step=state.step)
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape)
-    state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log.log, state,
+    state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
                        distributed=recipe.distributed)
@@ -125,8 +126,8 @@ def main(argv=None):
     # 8. Export a standard HF model dir (full weights, or the LoRA adapter).
     if recipe.output.save_final_model:
         guards.at("exporting the final model", state.step)
-        final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe),
-                                merge_lora=bool(recipe.lora and recipe.lora.merge_on_export), spec=recipe.model)
+        final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe), recipe.model,
+                                merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
     guards.at("waiting for all ranks to finish", state.step)
     accelerator.wait_for_everyone()  # leave together: a rank tearing down early can abort a slower one

@@ -35,19 +35,84 @@ class ModelSection(_Section):
     quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
 
 
-class DataSection(_Section):
-    path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
-    format: Literal["alpaca", "chat", "text"]
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+# the record fields each format reads; `columns` maps them to a dataset's own column names
+FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools"),
+                 "sharegpt": ("conversations", "tools", "system"), "text": ("text",)}
+
+
+class _SourceFields(_Section):
+    """What one data source says: where its records are, how to read them, and its evaluation data."""
+
     split: str = "train"
     eval_path: str | None = None
     eval_split: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    system_prompt: str | None = Field(None, description="System message for conversations that have none")
+    columns: dict[str, str] = Field(default_factory=dict, description="format field -> this dataset's column, "
+                                    "e.g. {instruction: prompt, output: response}")
+    roles: dict[str, str] = Field(default_factory=dict, description="sharegpt: extra `from` value -> role "
+                                  "(user, assistant, system, tool, function_call)")
+
+    @model_validator(mode="after")
+    def _check_eval(self):
+        if self.eval_fraction and (self.eval_path or self.eval_split):
+            raise ValueError("set either eval_fraction or eval_path/eval_split, not both")
+        return self
+
+
+class SourceSection(_SourceFields):
+    path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
+    format: DataFormat
+    name: str | None = Field(None, description="Shown in reports and eval metrics; default: the file's stem")
+    weight: float = Field(1.0, gt=0, description="Sampling probability in the mixture (normalised over sources; "
+                          "a small source is oversampled, not cut)")
+
+    def label(self) -> str:
+        return self.name or Path(self.path).stem.replace(".", "_") or self.path
+
+
+class DataSection(_SourceFields):
+    path: str | None = Field(None, description="One source: a local file or a `datasets` hub name")
+    format: DataFormat | None = None
+    sources: list[SourceSection] | None = Field(None, description="Several sources mixed by weight")
     max_seq_len: int = Field(2048, ge=16)
     packing: bool = False
     text_field: str = "text"
     messages_field: str = "messages"
+    concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
+                                   "max_seq_len rows (continued pretraining) instead of truncating each")
+    chunk_isolate_documents: bool = Field(False, description="with concat_and_chunk: documents in one row do not "
+                                          "attend to each other (position ids restart, as in packing)")
     num_proc: int | None = Field(None, ge=1)
     shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.sources is None and not (self.path and self.format):
+            raise ValueError("give path and format (one source) or sources (a mixture)")
+        if self.sources is not None:
+            if self.path or self.format:
+                raise ValueError("give either path/format or sources, not both")
+            if not self.sources:
+                raise ValueError("sources is empty")
+            labels = [s.label() for s in self.sources]
+            if len(set(labels)) != len(labels):
+                raise ValueError(f"source names must differ (got {labels}): set name: for each source")
+        if self.chunk_isolate_documents and not self.concat_and_chunk:
+            raise ValueError("chunk_isolate_documents needs concat_and_chunk: true")
+        if self.concat_and_chunk and any(s.format != "text" for s in self.all_sources()):
+            raise ValueError("concat_and_chunk applies to format: text only")
+        return self
+
+    def all_sources(self) -> list[SourceSection]:
+        """The single-source form as one source, so the pipeline has one path."""
+        if self.sources is not None:
+            return self.sources
+        columns = {"text": self.text_field, "messages": self.messages_field, **self.columns}
+        return [SourceSection(path=self.path, format=self.format, name="train", split=self.split,
+                              eval_path=self.eval_path, eval_split=self.eval_split, eval_fraction=self.eval_fraction,
+                              system_prompt=self.system_prompt, columns=columns, roles=self.roles)]
 
 
 class TrainingSection(_Section):
@@ -132,24 +197,33 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Recipe:
-        if self.data.eval_fraction and (self.data.eval_path or self.data.eval_split):
-            raise ValueError("data: set either eval_fraction or eval_path/eval_split, not both")
         if self.model.quantization and self.lora is None:
             raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
         return self
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """`a.b.c=v`; a number indexes a list (`data.sources.1.weight=2`)."""
     node = tree
     *parents, leaf = dotted.split(".")
     for key in parents:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise RecipeError(f"override {dotted!r}: {key!r} is not an index of the {len(node)} items there")
+            child = node[int(key)]
+        else:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+        if not isinstance(child, (dict, list)):
             raise RecipeError(f"override {dotted!r}: {key!r} is a value, not a section")
         node = child
-    node[leaf] = value
+    if isinstance(node, list):
+        if not leaf.isdigit() or int(leaf) >= len(node):
+            raise RecipeError(f"override {dotted!r}: {leaf!r} is not an index of the {len(node)} items there")
+        node[int(leaf)] = value
+    else:
+        node[leaf] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -193,7 +267,10 @@ def looks_local(path: str) -> bool:
 
 
 def _check_files(recipe: Recipe, source: Path) -> None:
-    for key, value in (("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)):
+    files = [("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)]
+    for i, src in enumerate(recipe.data.sources or []):
+        files += [(f"data.sources.{i}.path", src.path), (f"data.sources.{i}.eval_path", src.eval_path)]
+    for key, value in files:
         if value and value.endswith(LOCAL_DATA_SUFFIXES) and not Path(value).is_file():
             raise RecipeError(f"{source}: {key}: data file {value!r} not found (paths are relative to the "
                               f"directory you run from: {os.getcwd()})")

@@ -112,8 +112,9 @@ def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) ->
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader) -> float:
-    """Token-weighted mean loss over the eval set; duplicated padding samples are dropped by gather_for_metrics."""
+def evaluate(accelerator, model, loader) -> tuple[float, float]:
+    """(loss sum, target tokens) over one eval set, all ranks; duplicated padding samples are dropped by
+    gather_for_metrics."""
     model.eval()
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     n_tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -126,7 +127,16 @@ def evaluate(accelerator, model, loader) -> float:
         loss_sum += per_row[:, 0].sum()
         n_tokens += per_row[:, 1].sum()
     model.train()
-    return float(loss_sum / n_tokens.clamp(min=1))
+    return float(loss_sum), float(n_tokens)
+
+
+def evaluate_all(accelerator, model, loaders: dict) -> dict[str, float]:
+    """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
+    mixture (a single source's set is just "eval")."""
+    sums = {name: evaluate(accelerator, model, loader) for name, loader in loaders.items()}
+    record = {"eval_loss": sum(s for s, _ in sums.values()) / max(sum(n for _, n in sums.values()), 1.0)}
+    record.update({f"eval_loss/{name}": s / max(n, 1.0) for name, (s, n) in sums.items() if name != "eval"})
+    return record
 
 
 class _Window:
@@ -207,7 +217,7 @@ class _Window:
         return record
 
 
-def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, cfg, log, state: TrainState,
+def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
@@ -268,10 +278,10 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loader, c
             if replicas_every and state.step % replicas_every == 0:
                 window.timed_apart(lambda: guards.check_replicas(
                     accelerator, model, state.step, checkpointer.last_saved if checkpointer is not None else None))
-            if eval_loader is not None and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
+            if eval_loaders and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
                 guards.at("evaluation", step)
-                eval_loss, took = window.timed_apart(lambda: evaluate(accelerator, model, eval_loader))
-                log({"eval_loss": eval_loss, "eval_time_s": took}, state.step)
+                evaluated, took = window.timed_apart(lambda: evaluate_all(accelerator, model, eval_loaders))
+                log({**evaluated, "eval_time_s": took}, state.step)
             if save:
                 guards.at("saving a checkpoint", step)
                 _, took = window.timed_apart(lambda: checkpointer.save(state))

@@ -56,14 +56,29 @@ def start(accelerator, recipe: Recipe, resuming: bool = False) -> None:
     accelerator.wait_for_everyone()
 
 
-def report_data(accelerator, reports: dict) -> None:
+def report_data(accelerator, reports: dict, out_dir: str | Path) -> None:
+    """One line per split (and per source of a mixture), and the same numbers in <output.dir>/data_report.json."""
+    import json
+    from dataclasses import asdict
+
     for name, r in reports.items():
-        accelerator.print(f"data[{name}]: {r.examples} examples -> {r.rows} rows, {r.target_tokens} target tokens")
+        accelerator.print(f"data[{name}]: {r.examples} examples -> {r.rows} rows, {r.target_tokens} target tokens, "
+                          f"{r.tokens} tokens per epoch")
+        for source, counts in r.sources.items():
+            accelerator.print(f"data[{name}]: mixture: {source}: {counts['examples']} examples, "
+                              f"{counts['target_tokens']} target tokens "
+                              f"({counts['target_tokens'] / max(r.target_tokens, 1):.1%})")
         if r.dropped_no_target:
             accelerator.print(f"data[{name}]: WARNING dropped {r.dropped_no_target} examples with no target tokens "
                               "(prompt fills max_seq_len, or empty answer)")
         if r.truncated:
             accelerator.print(f"data[{name}]: note: {r.truncated} examples truncated to max_seq_len")
+        if r.dropped_remainder_tokens:
+            accelerator.print(f"data[{name}]: note: the last {r.dropped_remainder_tokens} tokens (less than one row) "
+                              "were dropped by concat_and_chunk")
+    if accelerator.is_main_process:
+        (Path(out_dir) / "data_report.json").write_text(
+            json.dumps({name: asdict(r) for name, r in reports.items()}, indent=1))
 
 
 def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int) -> None:

@@ -25,7 +25,8 @@ from disttrain.launcher import REPO, launch_command, run_logged
 from disttrain.metrics import read_metrics
 
 MODEL_CONFIGS = REPO / "model_configs"
-TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl"}
+TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
+             "sharegpt": "data/tiny_sharegpt.jsonl"}
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
 
@@ -82,10 +83,19 @@ def build_shrunk_model(recipe: Recipe, out_dir: Path) -> tuple[Path, str]:
 def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) -> tuple[list[str], list[str]]:
     """Recipe overrides that make the run CPU-sized; returns (overrides, notes on what was substituted)."""
     notes = []
-    data_path = recipe.data.path
-    if not (data_path.endswith(LOCAL_DATA_SUFFIXES) and Path(data_path).is_file()):
-        data_path = str(REPO / TINY_DATA[recipe.data.format])
-        notes.append(f"data: hub dataset {recipe.data.path!r} replaced by the shipped {TINY_DATA[recipe.data.format]}")
+    data_overrides = []
+    for i, src in enumerate(recipe.data.all_sources()):
+        path = src.path
+        if not (path.endswith(LOCAL_DATA_SUFFIXES) and Path(path).is_file()):
+            path = str(REPO / TINY_DATA[src.format])
+            notes.append(f"data: hub dataset {src.path!r} replaced by the shipped {TINY_DATA[src.format]}")
+        if recipe.data.sources is None:
+            data_overrides.append(f"data.path={path}")
+        else:  # no evaluation in the dry run; columns of a hub dataset do not apply to the shipped data
+            data_overrides += [f"data.sources.{i}.path={path}", f"data.sources.{i}.eval_path=null",
+                               f"data.sources.{i}.eval_split=null", f"data.sources.{i}.eval_fraction=0.0"]
+            if path != src.path:
+                data_overrides.append(f"data.sources.{i}.columns={{}}")
     if recipe.model.quantization:
         notes.append("model.quantization: 4-bit needs CUDA; the dry run uses plain LoRA on the same targets")
     if recipe.model.attn_implementation != "sdpa":
@@ -93,7 +103,7 @@ def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) ->
     overrides = [
         f"model.name_or_path={model_dir}", "model.dtype=float32", "model.attn_implementation=sdpa",
         "model.quantization=null", "model.tokenizer_name_or_path=null",
-        f"data.path={data_path}", "data.eval_path=null", "data.eval_split=null", "data.eval_fraction=0.0",
+        *data_overrides, "data.eval_path=null", "data.eval_split=null", "data.eval_fraction=0.0",
         f"data.max_seq_len={min(recipe.data.max_seq_len, 128)}",
         f"training.max_steps={steps}", f"training.micro_batch_size={min(recipe.training.micro_batch_size, 2)}",
         f"training.grad_accum={min(recipe.training.grad_accum, 2)}", "training.mixed_precision=no",

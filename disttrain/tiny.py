@@ -21,10 +21,16 @@ WORDS = (
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# ChatML, the format Qwen uses; a real template so the chat path is exercised end to end.
+# ChatML, the format Qwen uses, with Qwen-style tool calls; a real template so the chat path is exercised end
+# to end (tools are listed in a system turn, calls are <tool_call> JSON inside the assistant turn).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in (message['tool_calls'] or []) if message['tool_calls'] is defined %}"
+    "{{ '<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -61,6 +67,31 @@ def chat_records(n: int, seed: int) -> list[dict]:
     return out
 
 
+COUNT_TOOL = {"type": "function", "function": {"name": "count_words", "description": "Count the words of a text.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"text": {"type": "string"}}}}}
+
+
+def sharegpt_records(n: int, seed: int) -> list[dict]:
+    """ShareGPT turns; every fourth conversation answers a counting task through a tool call."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        instruction, inp, answer = _task(rng)
+        turns = [{"from": "human", "value": f"{instruction} {inp}".strip()}]
+        if i % 4 == 0:
+            words = inp or answer
+            turns = [{"from": "human", "value": f"How many words are there? {words}"},
+                     {"from": "function_call", "value": json.dumps({"name": "count_words", "arguments": {"text": words}})},
+                     {"from": "observation", "value": str(len(words.split()))},
+                     {"from": "gpt", "value": str(len(words.split()))}]
+            out.append({"conversations": turns, "tools": json.dumps([COUNT_TOOL])})
+            continue
+        turns.append({"from": "gpt", "value": answer})
+        out.append({"conversations": turns, "system": "You are a careful assistant."})
+    return out
+
+
 def text_records(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))} for _ in range(n)]
@@ -74,6 +105,7 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_alpaca_eval.jsonl": alpaca_records(100, seed=1),
         "tiny_chat.jsonl": chat_records(500, seed=2),
         "tiny_text.jsonl": text_records(500, seed=3),
+        "tiny_sharegpt.jsonl": sharegpt_records(300, seed=4),
     }
     written = []
     for name, records in files.items():

@@ -36,7 +36,7 @@ def test_chat_learns_only_assistant_turns(tokenizer):
                 {"role": "user", "content": "How many words are there? a b"}, {"role": "assistant", "content": "2"}]
     item = tokenize_record({"messages": messages}, tokenizer, section(format="chat"))
     targets = decode_targets(tokenizer, item)
-    assert targets == "tiger<|im_end|>\n2<|im_end|>\n"
+    assert targets == "tiger<|im_end|>2<|im_end|>"  # the end-of-turn token is learned, the newline after it is not
     assert "Be brief" not in targets and "Repeat" not in targets
     # rendering is exactly the tokenizer's chat template
     assert tokenizer.decode(item["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,12 +1,14 @@
 """Real `accelerate launch` runs with 2 CPU processes (DDP over gloo), exactly as users launch them."""
 
 import json
+import os
+import subprocess
 from collections import Counter
 
 import pytest
 import torch
 
-from conftest import assert_ok, base_recipe, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -25,6 +27,46 @@ def test_ranks_get_disjoint_shards_reshuffled_per_epoch(tmp_path, tiny_model_dir
         assert not (a + b) - dataset, "a row was given to both ranks"
     # per-epoch reshuffle: same rank, different order in epoch 1
     assert ranks[0]["epochs"]["0"][:20] != ranks[0]["epochs"]["1"][:20]
+
+
+def test_a_mixture_gives_every_rank_the_same_rows_in_disjoint_shards(tmp_path, tiny_model_dir):
+    """The mixture is built from the seed on the main process (the others read the cache): the same
+    dataset on every rank, dealt out without overlap."""
+    out = tmp_path / "probe"
+    sources = [{"path": str(REPO / "data/tiny_alpaca.jsonl"), "format": "alpaca", "weight": 2},
+               {"path": str(REPO / "data/tiny_sharegpt.jsonl"), "format": "sharegpt", "weight": 1}]
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, out, training={"micro_batch_size": 8},
+        data={"path": None, "format": None, "sources": sources, "max_seq_len": 256}))
+    assert_ok(launch("ddp", recipe, script="tests/scripts/shard_probe.py"))
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["dataset"] == ranks[1]["dataset"] and len(ranks[0]["dataset"]) > 2000
+    dataset = Counter(map(tuple, ranks[0]["dataset"]))
+    a, b = (Counter(map(tuple, r["epochs"]["0"])) for r in ranks)
+    assert not (a + b) - dataset, "a row was given to both ranks"
+
+
+@pytest.mark.parametrize("recipe", ["tiny/mix_sft.yaml", "tiny/cpt.yaml"])
+def test_shipped_tiny_data_recipes_train_under_make_train_ddp(recipe, tmp_path, tiny_model_dir):
+    """The mixed SFT recipe (three formats, per-source eval) and the continued-pretraining recipe, launched
+    the way the README says."""
+    out = tmp_path / "run"
+    args = f"model.name_or_path={tiny_model_dir} training.max_steps=6 training.eval_every=3 output.dir={out}"
+    proc = subprocess.run(["make", "-s", "train-ddp", "GPUS=2", f"MASTER_PORT={free_port()}",
+                           f"RECIPE=recipes/{recipe}", f"ARGS={args}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert_ok(proc)
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    report = json.loads((out / "data_report.json").read_text())
+    if recipe == "tiny/mix_sft.yaml":
+        assert set(report["train"]["sources"]) == {"alpaca", "chat", "tools"}
+        assert {"eval_loss/alpaca", "eval_loss/chat", "eval_loss/tools"} <= set(evals[0])
+        assert "mixture: tools:" in proc.stdout
+    else:
+        assert report["train"]["tokens"] == report["train"]["rows"] * 128
+        assert 0 <= report["train"]["dropped_remainder_tokens"] < 128 and report["train"]["truncated"] == 0
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 def test_ddp_trains_logs_and_exports_a_loadable_model(tmp_path, tiny_model_dir):

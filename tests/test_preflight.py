@@ -15,6 +15,9 @@ SHIPPED = {
     "qwen2.5-7b/qlora_sft.yaml": "ddp",  # QLoRA under FSDP2 is refused until a GPU run verifies it
     "qwen2.5-0.5b/full_sft.yaml": "zero3",
     "llama-3.1-8b/full_sft_fsdp.yaml": "fsdp",
+    "tiny/mix_sft.yaml": "fsdp",
+    "tiny/cpt.yaml": "ddp",
+    "qwen2.5-1.5b/cpt.yaml": "zero2",
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, start_launch,
@@ -76,6 +77,32 @@ def test_stop_and_resume_matches_uninterrupted(strategy, lora, tmp_path, tiny_mo
     assert_same_run(tmp_path / "a", tmp_path / "b", lora)
     kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert kept == ["latest", "step-00000009", "step-00000010"]  # keep_last=2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_mixture_stops_and_resumes_like_an_uninterrupted_run(strategy, tmp_path, tiny_model_dir, small_data):
+    """Two sources (alpaca, ShareGPT with tool calls) mixed 2:1 and evaluated each on its own: stopped
+    mid-epoch and resumed, the run repeats the uninterrupted one step for step, evaluations included."""
+    sources = [{"path": str(small_data), "format": "alpaca", "name": "alpaca", "weight": 2},
+               {"path": str(REPO / "data/tiny_sharegpt.jsonl"), "format": "sharegpt", "name": "tools",
+                "weight": 1, "eval_fraction": 0.05}]
+    runs = []
+    for name in ("a", "b"):
+        r = recipe(tmp_path, tiny_model_dir, small_data, name)
+        tree = yaml.safe_load(r.read_text())
+        tree["data"] = {"sources": sources, "max_seq_len": 256}
+        tree["training"]["eval_every"] = 3
+        r.write_text(yaml.safe_dump(tree))
+        runs.append(r)
+    assert_ok(launch(strategy, runs[0]))
+    assert_ok(launch(strategy, runs[1], overrides=[f"training.stop_at_step={STOP}"]))
+    second = launch(strategy, runs[1])
+    assert_ok(second)
+    assert f"at step {STOP}/{STEPS}" in second.stdout
+    assert_same_run(tmp_path / "a", tmp_path / "b", False)
+    evals = {name: {r["step"]: r["eval_loss/tools"] for r in read_metrics(tmp_path / name) if "eval_loss" in r}
+             for name in ("a", "b")}
+    assert sorted(evals["a"]) == [3, 6, 9, 10] and evals["b"] == pytest.approx(evals["a"], rel=1e-6)
 
 
 def start_make(target: str, recipe_path: Path, log_path: Path, env=None, *make_vars: str) -> subprocess.Popen:

@@ -1,0 +1,115 @@
+"""Rows to batches: padding, the bookkeeping the loop needs, and the packed-row layout each attention
+implementation needs to keep examples apart.
+
+Packed rows carry position ids restarting at 0 for each example. sdpa and eager turn that into a
+block-diagonal causal mask (no attention across examples) for any batch size when no attention_mask is passed
+and the KV cache is off (use_cache=False, as the loop runs). flash-attention does not: transformers' flash path
+reads position ids as packed only at batch size 1 (`_is_packed_sequence`), so a micro-batch of several packed
+rows would attend across examples. For flash implementations the collator therefore flattens a packed
+micro-batch into one row and passes the example boundaries (`cu_seq_lens_*`, `max_length_*`), which
+transformers hands to flash_attn_varlen_func as they are. tests/test_data.py checks isolation on the real
+model, flash included (through transformers' own flash code with CPU reference kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from disttrain.data.templates import IGNORE_INDEX
+
+LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop before the forward pass
+SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY)
+
+
+def flattens_packed_rows(attn_implementation: str) -> bool:
+    """Whether packed rows must travel as one flattened row with explicit example boundaries (see the module
+    docstring): true for flash-attention, whose varlen kernel isolates examples only that way; false for sdpa
+    and eager, where one row per sequence keeps the mask and the attention cost per row (a flattened row
+    would cost (micro_batch x max_seq_len)^2 there)."""
+    return attn_implementation.startswith("flash_attention")
+
+
+@dataclass
+class Collator:
+    """Right-pads a list of rows. Unpacked rows get an attention_mask; packed rows get their padding as a
+    separate position block instead, so the block-diagonal mask keeps it away from real tokens. With
+    `flatten_packed`, packed rows are concatenated into one row (no padding at all) with the boundaries of
+    every example for flash-attention's varlen kernel."""
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+    flatten_packed: bool = False
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        packed = "position_ids" in rows[0]
+        if packed and self.flatten_packed:
+            return self._flattened(rows)
+        longest = max(len(r["input_ids"]) for r in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): [],
+                 LENGTHS_KEY: [], SQUARES_KEY: []}
+        for r in rows:
+            n = len(r["input_ids"])
+            pad = longest - n
+            batch[LENGTHS_KEY].append(n)
+            batch[SQUARES_KEY].append(_sum_of_squared_segments(r["position_ids"]) if packed else n * n)
+            batch["input_ids"].append(list(r["input_ids"]) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(r["labels"]) + [IGNORE_INDEX] * pad)
+            if packed:
+                batch["position_ids"].append(list(r["position_ids"]) + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * n + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+    @staticmethod
+    def _flattened(rows: list[dict]) -> dict:
+        """One row of all examples. Every example's first label is already IGNORE_INDEX (pack_rows), so no
+        token is trained to predict the next row's first token; the loss equals the unflattened batch's."""
+        ids, labels, positions = [], [], []
+        for r in rows:
+            ids += r["input_ids"]
+            labels += r["labels"]
+            positions += r["position_ids"]
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        boundaries = torch.tensor(starts, dtype=torch.int32)
+        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                "position_ids": torch.tensor([positions]),
+                # transformers passes these to flash_attn_varlen_func (cu_seqlens int32, max lengths as ints)
+                "cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries,
+                "max_length_q": longest, "max_length_k": longest,
+                LENGTHS_KEY: torch.tensor([len(r["input_ids"]) for r in rows]),
+                SQUARES_KEY: torch.tensor([_sum_of_squared_segments(r["position_ids"]) for r in rows])}
+
+
+def _sum_of_squared_segments(position_ids) -> int:
+    """Attention cost of a packed row: each example attends only within itself."""
+    total, length = 0, 0
+    for pos in position_ids:
+        if pos == 0 and length:
+            total += length * length
+            length = 0
+        length += 1
+    return total + length * length
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Tokens that contribute to the causal-LM loss (labels are shifted by one inside the model).
+    A tensor on the batch's device, so counting never forces a host sync."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):
+    """A plain DataLoader; accelerator.prepare() shards it across ranks and seeds its shuffling.
+
+    It gets its own generator: creating an iterator draws a seed from the loader's generator, and drawing
+    it from the global RNG would shift dropout after a mid-epoch resume (which creates one extra iterator).
+    """
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, collate_fn=collator,
+                      generator=torch.Generator().manual_seed(seed))

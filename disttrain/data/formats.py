@@ -1,0 +1,129 @@
+"""Every format becomes one of two shapes: a conversation (messages, optional tools) or a text document.
+
+    alpaca     {"instruction", "input"?, "output", "system"?}          -> system? + user + assistant
+    chat       {"messages": [{"role", "content", "tool_calls"?}], "tools"?}   (OpenAI messages)
+    sharegpt   {"conversations": [{"from", "value"}], "tools"?, "system"?}     (from: human/gpt/system/
+               function_call/observation, more through the source's `roles`)
+    text       {"text"}
+
+Field names are the defaults; a source's `columns` maps them to its dataset's own. A source's
+`system_prompt` is added to conversations that have no system message. Errors are raised as DataError
+without a location; sources.check_record adds the file:line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from disttrain.config import SourceSection
+from disttrain.errors import DataError
+
+# ShareGPT `from` values (LLaMA-Factory's and the common Hub spellings) -> roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "function_call": "function_call", "observation": "tool", "tool": "tool", "function": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None = None
+    alpaca: tuple[str, str, str] | None = field(default=None, repr=False)  # for the no-template Alpaca prompt
+
+
+def column(source: SourceSection, name: str) -> str:
+    return source.columns.get(name, name)
+
+
+def _field(record: Mapping, source: SourceSection, name: str, required: bool = True):
+    key = column(source, name)
+    value = record.get(key)
+    if value is None and required:
+        raise DataError(f"missing field {key!r} required by data.format={source.format}")
+    return value
+
+
+def _json_list(value, what: str) -> list | None:
+    """Tools and tool-call arguments come as lists/dicts or as JSON strings (ShareGPT files store strings)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{what} is not valid JSON ({exc.msg})") from None
+    return value if isinstance(value, list) else [value]
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    if system and not (messages and messages[0]["role"] == "system"):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _check_messages(messages, key: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{key!r} must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES:
+            raise DataError(f"message {i} needs a 'role' among {', '.join(ROLES)}")
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise DataError(f"message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("conversation has no assistant message, nothing to learn from")
+    return [dict(m) for m in messages]
+
+
+def _alpaca(record, source) -> Conversation:
+    instruction, output = str(_field(record, source, "instruction")), str(_field(record, source, "output"))
+    extra = _field(record, source, "input", required=False) or ""
+    prompt = instruction + (f"\n\n{extra}" if extra else "")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    system = _field(record, source, "system", required=False) or source.system_prompt
+    return Conversation(_with_system(messages, system), alpaca=(instruction, str(extra), output))
+
+
+def _chat(record, source) -> Conversation:
+    key = column(source, "messages")
+    messages = _check_messages(_field(record, source, "messages"), key)
+    tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
+    return Conversation(_with_system(messages, source.system_prompt), tools)
+
+
+def _sharegpt(record, source) -> Conversation:
+    key = column(source, "conversations")
+    turns = _field(record, source, "conversations")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{key!r} must be a non-empty list of {{'from', 'value'}} turns")
+    roles = {**SHAREGPT_ROLES, **source.roles}
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping) or "from" not in turn or "value" not in turn:
+            raise DataError(f"turn {i} needs 'from' and 'value'")
+        role = roles.get(turn["from"])
+        if role is None:
+            raise DataError(f"turn {i}: unknown 'from' value {turn['from']!r}; map it with the source's roles, e.g. "
+                            f"roles: {{{turn['from']}: assistant}}")
+        if role == "function_call":  # the assistant calling a tool: a target, like any assistant output
+            calls = _json_list(turn["value"], f"turn {i} (function_call)")
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": call} for call in calls]})
+        else:
+            messages.append({"role": role, "content": str(turn["value"])})
+    system = _field(record, source, "system", required=False) or source.system_prompt
+    messages = _check_messages(_with_system(messages, system), key)
+    return Conversation(messages, _json_list(_field(record, source, "tools", required=False), column(source, "tools")))
+
+
+def _text(record, source) -> str:
+    return str(_field(record, source, "text"))
+
+
+_READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text}
+
+
+def to_example(record: Mapping, source: SourceSection) -> Conversation | str:
+    """The record as a conversation (alpaca, chat, sharegpt) or a document (text)."""
+    return _READERS[source.format](record, source)

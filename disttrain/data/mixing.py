@@ -1,0 +1,31 @@
+"""Several sources in one training set: weights are sampling probabilities, not subsample fractions.
+
+`datasets.interleave_datasets` draws the next example's source with the normalised weights from a seeded
+generator until every source has been used up at least once (`all_exhausted`): a small source with a large
+weight is repeated (oversampled), a large one with a small weight is still read to the end. The result is an
+ordinary map-style dataset, the same on every rank for the same seed, so sharding, shuffling and exact
+resume work as for one source. Each example keeps the index of its source for the mixture report.
+"""
+
+from __future__ import annotations
+
+SOURCE_KEY = "source"
+
+
+def mix(parts: list, weights: list[float], seed: int):
+    if len(parts) == 1:
+        return parts[0]
+    from datasets import interleave_datasets
+
+    total = sum(weights)
+    return interleave_datasets(parts, probabilities=[w / total for w in weights], seed=seed,
+                               stopping_strategy="all_exhausted")
+
+
+def per_source(dataset, names: list[str]) -> dict[str, dict]:
+    """Examples and target tokens the mixture really holds, per source."""
+    counts = {name: {"examples": 0, "target_tokens": 0} for name in names}
+    for source, targets in zip(dataset[SOURCE_KEY], dataset["n_targets"]):
+        counts[names[source]]["examples"] += 1
+        counts[names[source]]["target_tokens"] += targets
+    return counts
