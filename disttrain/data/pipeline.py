@@ -10,7 +10,7 @@ from disttrain.config import DataSection, SourceSection
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import chunk_documents, pack_rows
-from disttrain.data.sources import check_record, load_split
+from disttrain.data.sources import load_split
 from disttrain.data.templates import IGNORE_INDEX, render_and_label
 from disttrain.errors import DataError
 
@@ -41,8 +41,10 @@ def tokenize_record(record, tokenizer, section: DataSection, source: SourceSecti
 
 def _tokenize_source(raw, tokenizer, section: DataSection, source: SourceSection, index: int, name: str):
     def _tokenize(record, i):
-        check_record(record, f"{name} ({source.label()}) record {i}", source)  # parquet/hub data: not pre-scanned
-        return {**tokenize_record(record, tokenizer, section, source), SOURCE_KEY: index}
+        try:  # parquet and hub data were not pre-scanned: name the record here
+            return {**tokenize_record(record, tokenizer, section, source), SOURCE_KEY: index}
+        except DataError as exc:
+            raise DataError(f"{name} ({source.label()}) record {i}: {exc}") from None
 
     return raw.map(_tokenize, with_indices=True, remove_columns=raw.column_names, num_proc=section.num_proc,
                    desc=f"tokenising {name} ({source.label()})")
