@@ -40,6 +40,7 @@ def main(argv=None):
 
     from disttrain import checkpoint, compat, data, loop, modeling, optim, outputs
     from disttrain.backends import build_accelerator, has_gpu, launcher_strategy, shards_weights
+    from disttrain.loss import TokenLoss
     from disttrain.metrics import MetricsLogger
 
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
@@ -81,6 +82,7 @@ def main(argv=None):
     guards.at("loading the model")
     model = modeling.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
                                 local_device=accelerator.local_process_index if has_gpu() else None)
+    token_loss = TokenLoss(model, cfg.loss_impl)  # chunked: lm_head returns per-token losses, no full logits
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
     collator = data.Collator(tokenizer.pad_token_id,
@@ -115,7 +117,7 @@ def main(argv=None):
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
-                       distributed=recipe.distributed)
+                       distributed=recipe.distributed, token_loss=token_loss)
     log.close()
     if state.step < total_steps:
         accelerator.print(f"stopped at step {state.step}/{total_steps}; checkpoint {checkpointer.last_saved}. "

@@ -135,6 +135,13 @@ class TrainingSection(_Section):
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
                                      "the schedule still runs to the full length on resume")
+    loss_impl: Literal["chunked", "plain"] = Field("chunked", description="chunked: the loss from the final hidden "
+                                                   "states a chunk of target tokens at a time, in fp32, never "
+                                                   "holding full-vocabulary logits; plain: transformers' loss "
+                                                   "from the full logits")
+    offload_activations: bool = Field(False, description="keep the activations saved for the backward pass in "
+                                      "(pinned) host memory instead of GPU memory (torch.autograd.graph."
+                                      "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
     compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
                           "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
 

@@ -10,7 +10,8 @@ Compute: FLOPs = tokens x FLOPs/token (disttrain/flops.py: 6N + attention, LoRA-
 default, so gradients stay sharded: a recipe with distributed.fsdp_sync_each_micro_batch=false adds the
 unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthikanti et al. 2022,
 34 bytes x seq x batch x hidden per layer with flash/SDPA attention; 2 bytes per layer plus one layer's
-34 with gradient checkpointing), logits (bf16 + fp32 copy + fp32 grad = 10 bytes x seq x batch x vocab),
+34 with gradient checkpointing), logits (training.loss_impl=plain: bf16 + fp32 copy + fp32 grad = 10 bytes x
+seq x batch x vocab; chunked, the default: one 64 MB chunk of fp32 logits and its gradient),
 and a 2 GB reserve (CUDA context, communication buffers). Estimates, not measurements: leave headroom.
 """
 
@@ -48,6 +49,7 @@ class Workload:
     # FSDP with distributed.fsdp_sync_each_micro_batch=false and grad_accum > 1: every layer's gradient stays
     # unsharded between micro-batches (4 bytes/trainable parameter when reduced in fp32, else 2), per GPU
     fsdp_unsharded_grad_bytes: float = 0.0
+    loss_impl: str = "chunked"           # training.loss_impl: how much memory the logits take
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -88,8 +90,17 @@ def activations_gb(w: Workload) -> float | None:
         layers = 2 * tokens * w.shape.hidden * w.shape.layers + per_layer_full
     else:
         layers = per_layer_full * w.shape.layers
-    logits = 10 * tokens * w.shape.vocab
-    return (layers + logits) / 1e9
+    return (layers + logits_bytes(w, tokens)) / 1e9
+
+
+def logits_bytes(w: Workload, tokens: int) -> float:
+    """plain: bf16 logits + their fp32 copy + its gradient for every token (10 bytes x vocab); chunked
+    (disttrain/loss.py): one chunk's fp32 logits and their gradient, whatever the sequence."""
+    if w.loss_impl == "plain":
+        return 10.0 * tokens * w.shape.vocab
+    from disttrain.loss import CHUNK_LOGITS
+
+    return 8.0 * min(CHUNK_LOGITS, tokens * w.shape.vocab)
 
 
 def flops_per_token(w: Workload) -> float:
@@ -122,7 +133,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
 def _workload_from_args(args) -> tuple[Workload, str]:
     shape = None
     lora = None
-    weight_bytes, no_sync_bytes = 2.0, 0.0
+    weight_bytes, no_sync_bytes, loss_impl = 2.0, 0.0, "chunked"
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
     title = ""
     if args.recipe or args.config:
@@ -141,6 +152,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             micro = args.micro_batch or recipe.training.micro_batch_size
             ckpt = ckpt or recipe.model.gradient_checkpointing
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
+            loss_impl = recipe.training.loss_impl
             if recipe.lora is not None:
                 lora = (recipe.lora.r, recipe.lora.target_modules)
             if not recipe.distributed.fsdp_sync_each_micro_batch and recipe.training.grad_accum > 1:
@@ -162,7 +174,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
         lora_params = args.lora_params
         title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes), title
+                    no_sync_bytes, loss_impl), title
 
 
 def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:

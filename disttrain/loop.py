@@ -10,6 +10,7 @@ FSDP / ZeRO average over ranks, the result is exactly that token-weighted mean.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -18,7 +19,8 @@ from itertools import islice
 import torch
 
 from disttrain import guards
-from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.loss import TokenLoss
 
 
 @dataclass
@@ -82,9 +84,12 @@ class _FlagOnHost:
         return bool(self._value > 0)
 
 
-def _forward(model, batch: dict, num_items_in_batch=None):
-    inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
-    return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False)
+def _activation_storage(cfg, device: torch.device):
+    """training.offload_activations: tensors saved for the backward pass wait in host memory (pinned on GPUs,
+    so the copies are asynchronous); otherwise they stay where they were made."""
+    if getattr(cfg, "offload_activations", False):
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    return contextlib.nullcontext()
 
 
 def _grad_norm(accelerator, model, max_norm: float | None):
@@ -112,17 +117,15 @@ def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) ->
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader) -> tuple[float, float]:
+def evaluate(accelerator, model, loader, token_loss: TokenLoss) -> tuple[float, float]:
     """(loss sum, target tokens) over one eval set, all ranks; duplicated padding samples are dropped by
     gather_for_metrics."""
     model.eval()
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     n_tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     for batch in loader:
-        logits = _forward(model, batch).logits.float()
+        per_token = token_loss.token_losses(model, batch)
         labels = batch["labels"][:, 1:]
-        per_token = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
         per_row = accelerator.gather_for_metrics(_per_row_sums(per_token, labels, batch))
         loss_sum += per_row[:, 0].sum()
         n_tokens += per_row[:, 1].sum()
@@ -130,10 +133,10 @@ def evaluate(accelerator, model, loader) -> tuple[float, float]:
     return float(loss_sum), float(n_tokens)
 
 
-def evaluate_all(accelerator, model, loaders: dict) -> dict[str, float]:
+def evaluate_all(accelerator, model, loaders: dict, token_loss: TokenLoss) -> dict[str, float]:
     """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
     mixture (a single source's set is just "eval")."""
-    sums = {name: evaluate(accelerator, model, loader) for name, loader in loaders.items()}
+    sums = {name: evaluate(accelerator, model, loader, token_loss) for name, loader in loaders.items()}
     record = {"eval_loss": sum(s for s, _ in sums.values()) / max(sum(n for _, n in sums.values()), 1.0)}
     record.update({f"eval_loss/{name}": s / max(n, 1.0) for name, (s, n) in sums.items() if name != "eval"})
     return record
@@ -219,15 +222,18 @@ class _Window:
 
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
-          flops_meter=None, peak_flops: float | None = None, distributed=None) -> TrainState:
+          flops_meter=None, peak_flops: float | None = None, distributed=None,
+          token_loss: TokenLoss | None = None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
     `checkpointer` (due(step) / save(state)) writes checkpoints. A log line is always written at a
     checkpoint, so a resumed run's metrics continue without a seam. `flops_meter` and `peak_flops` add
     TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
-    interval and the loss-spread warning threshold.
+    interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
+    transformers' plain loss from full logits).
     """
+    token_loss = token_loss or TokenLoss(model, "plain")
     ga = accelerator.gradient_accumulation_steps
     window = _Window(accelerator.device, flops_meter, peak_flops)
     replicas_every = distributed.check_replicas_every if distributed is not None else None
@@ -249,8 +255,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             stop_requested = _FlagOnHost(stop_flag)
             guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
-                with accelerator.accumulate(model):
-                    loss = _forward(model, batch, num_items_in_batch=denominator).loss
+                with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device):
+                    loss = token_loss.training_loss(model, batch, denominator)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
@@ -280,7 +286,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
                     accelerator, model, state.step, checkpointer.last_saved if checkpointer is not None else None))
             if eval_loaders and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
                 guards.at("evaluation", step)
-                evaluated, took = window.timed_apart(lambda: evaluate_all(accelerator, model, eval_loaders))
+                evaluated, took = window.timed_apart(lambda: evaluate_all(accelerator, model, eval_loaders, token_loss))
                 log({**evaluated, "eval_time_s": took}, state.step)
             if save:
                 guards.at("saving a checkpoint", step)

@@ -110,9 +110,11 @@ def mfu_band(mfu: float) -> str:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated memory on a GPU; resident set size of this process on a CPU."""
+    """Peak allocated memory on a GPU; on a CPU the process's peak resident set size (ru_maxrss, which
+    includes what the allocator keeps cached)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    import psutil
+    import resource
 
-    return psutil.Process().memory_info().rss / 1e9
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib * 1024 / 1e9

@@ -76,3 +76,16 @@ def test_gpu_figures_script_dry_runs_on_cpu(tmp_path):
     assert "hfu" not in result["rows"][0]
     assert "| fsdp | no | no |" in (out / "gpu_figures.md").read_text()
     assert (out / "launches.log").read_text().count("=====") == 3
+
+
+def test_bench_memory_measures_plain_chunked_and_floor(tmp_path):
+    """`make bench-memory` end to end on one process with a small vocabulary: three launches, one row."""
+    from disttrain.bench_memory import main as memory_main
+
+    out = tmp_path / "memory"
+    memory_main(["--strategies", "single_gpu", "--vocab", "8192", "--seq", "128", "--steps", "3", "--warmup", "1",
+                 "--out", str(out)])
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert all(row[f"{run}_peak_gb"] > 0 and row[f"{run}_step_s"] > 0 for run in ("plain", "chunked", "floor"))
+    assert row["plain_loss_gb"] == pytest.approx(row["plain_peak_gb"] - row["floor_peak_gb"])
+    assert "| single_gpu |" in (out / "results.md").read_text()

@@ -128,3 +128,17 @@ def test_recipe_plan_and_measured_mfu(tmp_path, capsys):
     assert ddp["mfu"] == 0.5 and ddp["mfu_source"].startswith("measured")
     assert ddp["fits"] and result["recommended"] == "ddp"  # LoRA on 7B: replicas fit an 80 GB card
     assert "LoRA r=16" in result["model"]
+
+
+def test_chunked_loss_keeps_one_chunk_of_logits_whatever_the_sequence():
+    """training.loss_impl=plain holds 10 bytes x tokens x vocab of logits; chunked one fp32 chunk and its
+    gradient (disttrain/loss.py CHUNK_LOGITS), as tests/test_loss_impl.py shows it computing the same loss."""
+    from disttrain.cost import activations_gb
+    from disttrain.flops import ModelShape
+    from disttrain.loss import CHUNK_LOGITS
+
+    shape = ModelShape(params=7e9, matmul_params=7e9, layers=28, heads=28, head_dim=128, hidden=3584, vocab=152064)
+    plain = Workload(7e9, shape, 1e9, 4096, 4, True, loss_impl="plain")
+    chunked = Workload(7e9, shape, 1e9, 4096, 4, True, loss_impl="chunked")
+    logits_plain = 10 * 4 * 4096 * 152064 / 1e9  # ~24.9 GB
+    assert activations_gb(plain) - activations_gb(chunked) == pytest.approx(logits_plain - 8 * CHUNK_LOGITS / 1e9)

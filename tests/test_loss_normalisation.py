@@ -7,6 +7,7 @@ import torch
 from conftest import base_recipe, write_recipe
 from disttrain import data, loop, modeling
 from disttrain.config import load_recipe
+from disttrain.loss import TokenLoss
 from disttrain.metrics import MetricsLogger
 
 
@@ -19,19 +20,20 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run"):
+def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run", **training):
     from accelerate.utils import set_seed
 
     from disttrain.backends import build_accelerator
 
     recipe = load_recipe(write_recipe(tmp_path / f"{name}.yaml", base_recipe(
         model_dir, tmp_path / name, data={"shuffle": False},
-        training={"micro_batch_size": micro_batch_size, "grad_accum": grad_accum, "max_steps": steps})))
+        training={"micro_batch_size": micro_batch_size, "grad_accum": grad_accum, "max_steps": steps, **training})))
     accelerator = build_accelerator(recipe)
     set_seed(0)
     tokenizer = modeling.load_tokenizer(recipe.model)
     train_set, _, _ = data.build_datasets(recipe.data, tokenizer, 0, accelerator.main_process_first)
     model = modeling.load_model(recipe.model, None)
+    token_loss = TokenLoss(model, recipe.training.loss_impl)  # the default: chunked
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     loader = data.make_loader(train_set, micro_batch_size, data.Collator(tokenizer.pad_token_id), False, True)
@@ -41,7 +43,8 @@ def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run"):
     metrics = MetricsLogger(accelerator, tmp_path / name, steps)
     per_epoch = loop.steps_per_epoch(len(train_set), micro_batch_size, 1, grad_accum)
     loop.train(accelerator, model, optimizer, scheduler, loader, None, recipe.training,
-               lambda rec, step: records.append(rec), loop.TrainState(), steps, per_epoch, log_every=1)
+               lambda rec, step: records.append(rec), loop.TrainState(), steps, per_epoch, log_every=1,
+               token_loss=token_loss)
     metrics.close()
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).named_parameters()}
     return params, [r["loss"] for r in records], train_set
@@ -87,3 +90,20 @@ def test_the_test_would_catch_a_mean_of_means(tiny_model_dir, tokenizer):
     total = sum(int(data.count_targets(b)) for b in singles)
     token_mean = grads(lambda: sum(model(**b, use_cache=False, num_items_in_batch=total).loss for b in singles))
     assert (mean_of_means - token_mean).norm() / token_mean.norm() > 1e-2
+
+
+def test_offloaded_activations_and_plain_loss_give_the_same_steps(tmp_path, tiny_model_dir):
+    """training.offload_activations keeps saved activations in host memory: the same steps, bit for bit on
+    CPU; training.loss_impl=plain (full logits) the same steps as the default chunked loss, to fp32 rounding."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    runs = {}
+    for name, training in (("chunked", {}), ("offload", {"offload_activations": True}),
+                           ("plain", {"loss_impl": "plain"})):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        runs[name] = run(tmp_path, tiny_model_dir, micro_batch_size=2, grad_accum=2, name=name, **training)
+    assert runs["offload"][1] == runs["chunked"][1]
+    assert runs["plain"][1] == pytest.approx(runs["chunked"][1], rel=1e-5)
+    for key, value in runs["chunked"][0].items():
+        torch.testing.assert_close(runs["plain"][0][key], value, rtol=1e-4, atol=1e-6, msg=key)

@@ -24,6 +24,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
     fsdp_sync_memory          FSDP2, grad_accum 4: peak GPU memory with distributed.fsdp_sync_each_micro_batch
                               true vs false (INFO: at world size 1 the shard is the whole model)
     mfu                       scripts/bench/gpu_figures.py --configs single,fsdp (0.84B model): its table copied
+    loss_memory               disttrain.bench_memory (single, fsdp; vocab 152k, seq 4096): the loss's share of
+                              peak memory, full logits vs chunked; PASS when chunked cuts it >= 8x
 
 A failed item is recorded with the tail of its log and the others still run. When an item's time is up
 (--timeout) its subprocess is SIGKILLed with every process under it. --jobs items run side by side (default
@@ -48,8 +50,8 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
     full_bf16_single 40, _fsdp 45, _zero2 55, _zero3 60 (3 launches each); lora_ddp 15, lora_fsdp 18,
     qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP
     without flash-attn: ~2 s)                                   356 s in all; 3 side by side: ~120-150 s
-    fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps)                   ~120 s
-    total ~5.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
+    fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 60    ~180 s
+    total ~6.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~9 min, so the last items would be SKIPped for the budget.
 CPU dry run here (2 cores): all CPU items ~1.9 min; the test's subset ~55 s.
 """
@@ -469,6 +471,24 @@ def mfu(ctx: Ctx) -> tuple[str, str]:
                            f"{r['peak_mem_gb']:.1f} GB" for r in rows)
 
 
+def loss_memory(ctx: Ctx) -> tuple[str, str]:
+    """disttrain.bench_memory on one GPU (single and FSDP2, vocab 152k, seq 4096): the loss's share of peak
+    memory with full logits vs chunked; PASS when chunked cuts it at least 8x."""
+    out = ctx.item_dir / "bench_memory"
+    cmd = [sys.executable, "-m", "disttrain.bench_memory", "--strategies", "single_gpu,fsdp", "--nproc", "1",
+           "--seq", "4096", "--steps", "4", "--warmup", "2", "--out", str(out),
+           "--timeout", str(max(30, int(ctx.remaining() / 6)))]
+    proc, log = run_cmd(ctx, "bench_memory", cmd)
+    if proc.returncode != 0 or not (out / "results.json").is_file():
+        raise Fail(f"bench_memory exit {proc.returncode}: {error_line(proc)}", log)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ctx.figures.update(rows=rows, table=(out / "results.md").read_text())
+    worst = min(r["reduction"] for r in rows)
+    summary = "; ".join(f"{r['strategy']}: loss {r['plain_loss_gb']:.2f} -> {r['chunked_loss_gb']:.2f} GB "
+                        f"({r['reduction']:.1f}x), step time x{r['step_time_ratio']:.2f}" for r in rows)
+    return (PASS if worst >= 8 else FAIL), summary
+
+
 @dataclass(frozen=True)
 class Item:
     name: str
@@ -494,6 +514,7 @@ ITEMS = [
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
     Item("mfu", mfu, 90, 180, False, alone=True),
+    Item("loss_memory", loss_memory, 60, 150, False, alone=True),
 ]
 BY_NAME = {item.name: item for item in ITEMS}
 

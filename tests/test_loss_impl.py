@@ -1,0 +1,85 @@
+"""training.loss_impl: chunked (the default) gives transformers' plain loss and gradients without ever
+holding full-vocabulary logits. fp32, tiny model, several chunks per micro-batch (the chunk size is shrunk
+so the tiny vocabulary still needs many)."""
+
+import copy
+
+import pytest
+import torch
+
+from disttrain import loss as loss_module
+from disttrain.config import LoraSection, ModelSection
+from disttrain.data import Collator, count_targets, pack_rows
+from disttrain.loss import TokenLoss
+from disttrain.modeling import load_model
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 7 * 512)  # 7 tokens per chunk at the tiny vocabulary
+
+
+def batches(tokenizer):
+    texts = ["apple river stone cloud green", "quick light", "stone apple river", "cloud river green quick stone"]
+    rows = []
+    for t in texts:
+        ids = tokenizer(t)["input_ids"]
+        rows.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})  # a masked prompt, like SFT
+    packed = pack_rows([r["input_ids"] for r in rows], [r["labels"] for r in rows], max_len=12)
+    packed_rows = [{k: v[i] for k, v in packed.items()} for i in range(len(packed["input_ids"]))]
+    return {"unpacked": Collator(tokenizer.pad_token_id)(rows),
+            "packed": Collator(tokenizer.pad_token_id)(packed_rows),
+            "flattened": Collator(tokenizer.pad_token_id, flatten_packed=True)(packed_rows)}
+
+
+def loss_and_grads(model, impl, batch):
+    token_loss = TokenLoss(model, impl)
+    model.zero_grad()
+    loss = token_loss.training_loss(model, batch, count_targets(batch).float())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, token_loss.token_losses(model, batch).detach()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("layout", ["unpacked", "packed", "flattened"])
+def test_chunked_loss_and_gradients_equal_the_plain_ones(lora, layout, tiny_model_dir, tokenizer):
+    spec = ModelSection(name_or_path=str(tiny_model_dir), dtype="float32")
+    lora_spec = LoraSection(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora else None
+    torch.manual_seed(0)
+    plain_model = load_model(spec, lora_spec)
+    chunked_model = copy.deepcopy(plain_model)
+    batch = batches(tokenizer)[layout]
+    plain = loss_and_grads(plain_model, "plain", batch)
+    chunked = loss_and_grads(chunked_model, "chunked", batch)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert plain[1].keys() == chunked[1].keys() and len(plain[1]) > 0
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(chunked[2], plain[2], rtol=1e-5, atol=1e-6)  # evaluation's per-token losses
+    # the checkpoint/export path is untouched: same parameter names, plain logits when no targets are set
+    assert chunked_model.state_dict().keys() == plain_model.state_dict().keys()
+    inputs = {"input_ids": batch["input_ids"][:1]}
+    torch.testing.assert_close(chunked_model(**inputs).logits, plain_model(**inputs).logits)
+
+
+def test_bf16_autocast_stays_close_to_plain(tiny_model_dir, tokenizer):
+    spec = ModelSection(name_or_path=str(tiny_model_dir), dtype="float32")
+    model = load_model(spec, None)
+    batch = batches(tokenizer)["packed"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = TokenLoss(copy.deepcopy(model), "plain").training_loss(model, batch, count_targets(batch).float())
+        token_loss = TokenLoss(model, "chunked")
+        chunked = token_loss.training_loss(model, batch, count_targets(batch).float())
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, rtol=2e-2, atol=2e-2)
+
+
+def test_no_target_in_a_micro_batch_still_gives_every_parameter_a_gradient(tiny_model_dir, tokenizer):
+    """DDP needs a gradient (zero) for every parameter even when a micro-batch has nothing to learn."""
+    model = load_model(ModelSection(name_or_path=str(tiny_model_dir), dtype="float32"), None)
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}])
+    loss = TokenLoss(model, "chunked").training_loss(model, batch, torch.tensor(1.0))
+    loss.backward()
+    assert float(loss) == 0.0
+    assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) == 0.0
