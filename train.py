@@ -73,8 +73,8 @@ def main(argv=None):
     # 4. How long: optimizer steps from data size, batch, accumulation and world size.
     per_epoch = loop.steps_per_epoch(len(train_set), cfg.micro_batch_size, accelerator.num_processes, cfg.grad_accum)
     if per_epoch == 0:
-        raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one optimizer step of "
-                        f"micro_batch_size x grad_accum x processes = "
+        raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one "
+                        f"optimizer step of micro_batch_size x grad_accum x processes = "
                         f"{cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes} rows")
     total_steps = cfg.max_steps or per_epoch * cfg.epochs
 

@@ -87,7 +87,7 @@ class _FlagOnHost:
 def _activation_storage(cfg, device: torch.device):
     """training.offload_activations: tensors saved for the backward pass wait in host memory (pinned on GPUs,
     so the copies are asynchronous); otherwise they stay where they were made."""
-    if getattr(cfg, "offload_activations", False):
+    if cfg.offload_activations:
         return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
     return contextlib.nullcontext()
 
