@@ -169,9 +169,11 @@ def check_shape(checkpoint: Path, current: RunShape) -> dict:
     state.pop(SAVE_ORDER, None)
     saved = RunShape(**state.pop("shape"))
     if saved.strategy != current.strategy:
+        run_dir = checkpoint.parent.parent
         raise CheckpointError(f"checkpoint {checkpoint} was written under {saved.strategy}, this run is "
-                              f"{current.strategy}: resume with the same accelerate config, or export the weights "
-                              "(final/ or zero_to_fp32.py) and start a new run from them")
+                              f"{current.strategy}: continue that run with its own accelerate config "
+                              f"({saved.strategy}), or train under {current.strategy} in a new directory "
+                              f"(output.dir={run_dir}-{current.strategy})")
     if saved.world_size != current.world_size and current.strategy == "deepspeed":
         # DeepSpeed copies its conversion script next to the tag dir (accelerate's tag: pytorch_model/)
         script = next(iter(sorted(checkpoint.rglob("zero_to_fp32.py"))), None)

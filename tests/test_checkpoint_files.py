@@ -73,3 +73,13 @@ def test_the_save_order_does_not_leak_into_the_resumed_train_state(tmp_path):
     saver = save_at(tmp_path, [4])
     state = checkpoint.check_shape(saver.last_saved, RunShape(1, "ddp", 1, 1))
     assert state == {"step": 4, "epoch": 0, "tokens_seen": 0}
+
+
+def test_another_strategys_checkpoint_names_both_ways_out(tmp_path):
+    """`make train-ddp` then `make train-fsdp` with the same recipe: the refusal says how to go on."""
+    saver = save_at(tmp_path / "run", [3])
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_shape(saver.last_saved, RunShape(2, "fsdp", 1, 1))
+    message = str(error.value)
+    assert "written under ddp, this run is fsdp" in message
+    assert "its own accelerate config (ddp)" in message and f"output.dir={tmp_path / 'run'}-fsdp" in message
