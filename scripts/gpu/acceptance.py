@@ -24,6 +24,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
     fsdp_sync_memory          FSDP2, grad_accum 4: peak GPU memory with distributed.fsdp_sync_each_micro_batch
                               true vs false (INFO: at world size 1 the shard is the whole model)
     mfu                       scripts/bench/gpu_figures.py --configs single,fsdp (0.84B model): its table copied
+    offload_activations       training.offload_activations: the same losses as without (rel 1e-3), peak memory
+                              and step time of both recorded
     loss_memory               disttrain.bench_memory (single, fsdp; vocab 152k, seq 4096): the loss's share of
                               peak memory, full logits vs chunked; PASS when chunked cuts it >= 8x
 
@@ -448,6 +450,27 @@ def fsdp_sync_memory(ctx: Ctx) -> tuple[str, str]:
                   f"{peaks['sync_false']:.3f} (world size 1: the shard is the whole model; information only)")
 
 
+def offload_activations(ctx: Ctx) -> tuple[str, str]:
+    """training.offload_activations (save_on_cpu, pinned): the same losses as without, with its peak GPU
+    memory and step time next to the plain run's (the speed cost is what docs still lack)."""
+    runs = {}
+    for offload in (False, True):
+        label = f"offload_{str(offload).lower()}"
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, training={"max_steps": 6, "offload_activations": offload},
+                      output={"save_final_model": False, "checkpoint_at_end": False})
+        _, log = train(ctx, label, "single_gpu", tree)
+        records = [r for r in read_metrics(run) if "loss" in r]
+        runs[label] = (require_finite_losses(run, 6, log), max(r["peak_mem_gb"] for r in records),
+                       sorted(r["step_time_s"] for r in records)[len(records) // 2])
+    (plain, plain_peak, plain_s), (offload, offload_peak, offload_s) = runs["offload_false"], runs["offload_true"]
+    diff = max_rel_diff(plain, offload)
+    ctx.figures.update(max_rel_loss_diff=diff, peak_mem_gb=[plain_peak, offload_peak], step_s=[plain_s, offload_s])
+    summary = (f"losses max rel diff {diff:.2e}; peak {plain_peak:.3f} -> {offload_peak:.3f} GB; step "
+               f"{plain_s:.3f} -> {offload_s:.3f} s")
+    return (PASS if diff <= 1e-3 else FAIL), summary
+
+
 def mfu(ctx: Ctx) -> tuple[str, str]:
     """scripts/bench/gpu_figures.py (0.84B, seq 2048) on single and fsdp, its table kept."""
     out, work = ctx.item_dir / "figures", ctx.item_dir / "figures_work"
@@ -513,6 +536,7 @@ ITEMS = [
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
+    Item("offload_activations", offload_activations, 25, 90, True, alone=True),
     Item("mfu", mfu, 90, 180, False, alone=True),
     Item("loss_memory", loss_memory, 60, 150, False, alone=True),
 ]

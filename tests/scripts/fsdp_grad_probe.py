@@ -2,17 +2,9 @@
 micro-batches of one accumulation window, with the recipe's setting and with the opposite one, and the dtype
 gradients are reduced in. Same recipe -> accelerator -> model -> prepare path as train.py."""
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
+from probe_run import finish, start
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from disttrain import data, modeling, optim  # noqa: E402
-from disttrain.backends import build_accelerator  # noqa: E402
-from disttrain.config import load_recipe  # noqa: E402
+from disttrain import data, modeling, optim
 
 
 def held_gradients(model) -> dict:
@@ -38,14 +30,7 @@ def held_gradients(model) -> dict:
     return held
 
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--recipe", required=True)
-parser.add_argument("overrides", nargs="*")
-args = parser.parse_args()
-recipe = load_recipe(args.recipe, args.overrides)
-accelerator = build_accelerator(recipe)
-tokenizer = modeling.load_tokenizer(recipe.model)
-train_set, _, _ = data.build_datasets(recipe.data, tokenizer, recipe.training.seed, accelerator.main_process_first)
+recipe, accelerator, tokenizer, train_set = start()
 model = modeling.load_model(recipe.model, recipe.lora, sharded=True)
 optimizer = optim.build_optimizer(model, recipe.training)
 loader = data.make_loader(train_set, recipe.training.micro_batch_size, data.Collator(tokenizer.pad_token_id),
@@ -63,10 +48,4 @@ for name, sync_each in (("recipe", recipe.distributed.fsdp_sync_each_micro_batch
         if micro == 0:  # between the first and the second micro-batch of the window
             report[name] = {"sync_each_micro_batch": sync_each, **held_gradients(model)}
     optimizer.zero_grad(set_to_none=True)
-out = Path(recipe.output.dir)
-out.mkdir(parents=True, exist_ok=True)
-(out / f"rank{accelerator.process_index}.json").write_text(json.dumps(
-    {"world": accelerator.num_processes, **report}))
-accelerator.wait_for_everyone()
-sys.stdout.flush()
-os._exit(0)  # skip interpreter teardown (see train.py: a finished gloo rank can abort there)
+finish(recipe, accelerator, report)
