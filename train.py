@@ -39,7 +39,8 @@ def main(argv=None):
     from accelerate.utils import set_seed
 
     from disttrain import checkpoint, compat, data, loop, modeling, optim, outputs
-    from disttrain.backends import build_accelerator, has_gpu, launcher_strategy, shards_weights
+    from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, set_deepspeed_micro_batch,
+                                    shards_weights)
     from disttrain.loss import TokenLoss
     from disttrain.metrics import MetricsLogger
 
@@ -53,8 +54,9 @@ def main(argv=None):
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     cfg = recipe.training
+    streaming = recipe.data.streaming
     shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,
-                                cfg.micro_batch_size, cfg.grad_accum)
+                                cfg.micro_batch_size, cfg.grad_accum, streaming)
     checkpoint.check_fresh_start(recipe.output.dir, recipe.output.resume)  # never mix two runs' checkpoints
     resume_from = checkpoint.find(recipe.output.dir, recipe.output.resume)
     if resume_from is not None:  # fail on a bad checkpoint now, not after loading the model
@@ -63,20 +65,28 @@ def main(argv=None):
     set_seed(cfg.seed)  # identical model init (and LoRA init) on every rank
     outputs.start(accelerator, recipe, resuming=resume_from is not None)
 
-    # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others.
+    # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others
+    #    (a stream is tokenised on the fly by each rank, from its own shards).
     guards.at("tokenising on the main process first (the other ranks wait for it)")
     tokenizer = modeling.load_tokenizer(recipe.model)
     train_set, eval_sets, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
                                                         accelerator.main_process_first)
     outputs.report_data(accelerator, reports, recipe.output.dir)
+    if streaming:
+        for note in data.shards_note(recipe.data, accelerator.num_processes):
+            accelerator.print(note)
 
-    # 4. How long: optimizer steps from data size, batch, accumulation and world size.
-    per_epoch = loop.steps_per_epoch(len(train_set), cfg.micro_batch_size, accelerator.num_processes, cfg.grad_accum)
-    if per_epoch == 0:
-        raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one "
-                        f"optimizer step of micro_batch_size x grad_accum x processes = "
-                        f"{cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes} rows")
-    total_steps = cfg.max_steps or per_epoch * cfg.epochs
+    # 4. How long: optimizer steps from data size, batch, accumulation and world size (a stream: max_steps).
+    if streaming:
+        per_epoch = total_steps = cfg.max_steps
+    else:
+        per_epoch = loop.steps_per_epoch(len(train_set), cfg.micro_batch_size, accelerator.num_processes,
+                                         cfg.grad_accum)
+        if per_epoch == 0:
+            raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one "
+                            f"optimizer step of micro_batch_size x grad_accum x processes = "
+                            f"{cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes} rows")
+        total_steps = cfg.max_steps or per_epoch * cfg.epochs
 
     # 5. Model, optimizer, schedule, loaders -> prepared for the chosen strategy.
     guards.at("loading the model")
@@ -87,14 +97,21 @@ def main(argv=None):
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
     collator = data.Collator(tokenizer.pad_token_id,
                              flatten_packed=data.flattens_packed_rows(recipe.model.attn_implementation))
-    train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
     eval_loaders = {name: data.make_loader(rows, cfg.micro_batch_size, collator, False, False)
                     for name, rows in eval_sets.items()}
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    if streaming:  # this rank's shards, on its device; not handed to accelerate (it would re-split them)
+        train_loader = data.StreamLoader(data.stream_rows(recipe.data, tokenizer, cfg.seed, accelerator.process_index,
+                                                          accelerator.num_processes),
+                                         cfg.micro_batch_size, collator, accelerator.device)
+        set_deepspeed_micro_batch(accelerator, cfg.micro_batch_size)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    else:
+        train_loader = data.make_loader(train_set, cfg.micro_batch_size, collator, recipe.data.shuffle, True, cfg.seed)
+        model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+        assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
-    assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
     flops_meter, peak = outputs.throughput_setup(accelerator, recipe, model)
@@ -105,6 +122,8 @@ def main(argv=None):
         guards.at("loading the checkpoint")
         accelerator.load_state(str(resume_from))
         state.load_state_dict(saved_state)
+        if streaming:  # the stream continues where this rank's position was saved, without replaying it
+            train_loader.load_state_dict(checkpoint.load_rank_state(resume_from, accelerator.process_index))
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{total_steps}")
 
     # 7. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
@@ -113,7 +132,8 @@ def main(argv=None):
                               init_kwargs=outputs.tracker_init_kwargs(recipe))
     log = MetricsLogger(accelerator, recipe.output.dir, total_steps, initial_step=state.step)
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
-                                           recipe.output.checkpoint_at_end, recipe.output.keep_last, shape)
+                                           recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,
+                                           rank_state=train_loader.state_dict if streaming else None)
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,

@@ -115,6 +115,14 @@ def _deepspeed_plugin(recipe: Recipe):
                            gradient_clipping=recipe.training.max_grad_norm or 0.0)
 
 
+def set_deepspeed_micro_batch(accelerator, micro_batch_size: int) -> None:
+    """DeepSpeed's "auto" micro-batch size is read from a prepared dataloader; a stream is not prepared by
+    accelerate (each rank reads its own shards), so give the number directly."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
 def shards_weights(accelerator) -> bool:
     """True under FSDP and ZeRO-3, where no rank holds the whole model."""
     from accelerate.utils import DistributedType

@@ -14,6 +14,8 @@ truncated or damaged checkpoint is named in one line instead of being loaded.
 Data position needs no sampler state: every epoch has exactly `steps_per_epoch` windows of `grad_accum`
 micro-batches from the seeded permutation of that epoch, so step k means epoch k // steps_per_epoch with
 (k % steps_per_epoch) * grad_accum micro-batches consumed, skipped with accelerator.skip_first_batches.
+A stream (data.streaming) has no such arithmetic: each rank writes its stream position to
+`data_state/rank-NNNNN.json` in the checkpoint and reads it back on resume (same world size required).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+DATA_STATE = "data_state"
 SAVE_ORDER = "save_order"  # key in trainer_state.json: 1 + the highest order in the directory at save time
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -47,6 +50,7 @@ class RunShape:
     strategy: str
     micro_batch_size: int
     grad_accum: int
+    streaming: bool = False  # per-rank stream positions: resumable only by the same number of ranks
 
     @property
     def global_batch(self) -> int:
@@ -67,8 +71,23 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int) -> Path:
-    """Collective: every rank must call it at the same step."""
+def _rank_state_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / DATA_STATE / f"rank-{rank:05d}.json"
+
+
+def load_rank_state(checkpoint: Path, rank: int) -> dict:
+    """This rank's stream position saved in `checkpoint`."""
+    path = _rank_state_file(checkpoint, rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} holds no stream position for rank {rank} ({path} is "
+                              "missing): it was not written by a streaming run of this size")
+    return json.loads(path.read_text())
+
+
+def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int,
+         rank_state: dict | None = None) -> Path:
+    """Collective: every rank must call it at the same step. `rank_state`: this rank's own data position
+    (a stream's), written by each rank next to the shared state."""
     root = checkpoint_root(output_dir)
     name = f"step-{train_state.step:08d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -77,6 +96,10 @@ def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if rank_state is not None:
+        path = _rank_state_file(tmp, accelerator.process_index)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(rank_state))
     accelerator.wait_for_everyone()  # all shards are on disk before anything is declared complete
     if accelerator.is_main_process:
         order = max((_save_order(p)[0] for p in _complete(root)), default=0) + 1
@@ -168,6 +191,14 @@ def check_shape(checkpoint: Path, current: RunShape) -> dict:
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
     state.pop(SAVE_ORDER, None)
     saved = RunShape(**state.pop("shape"))
+    if saved.streaming != current.streaming:
+        raise CheckpointError(f"checkpoint {checkpoint} was written with data.streaming={saved.streaming}, this run "
+                              f"has data.streaming={current.streaming}: the data position of one cannot continue "
+                              f"the other; set data.streaming={saved.streaming} or use a new output.dir")
+    if saved.streaming and saved.world_size != current.world_size:
+        raise CheckpointError(f"checkpoint {checkpoint} holds the stream positions of {saved.world_size} ranks, this "
+                              f"run has {current.world_size}: each rank reads its own share of the stream, so a "
+                              f"streaming run resumes with the same number of processes ({saved.world_size})")
     if saved.strategy != current.strategy:
         run_dir = checkpoint.parent.parent
         raise CheckpointError(f"checkpoint {checkpoint} was written under {saved.strategy}, this run is "
@@ -197,15 +228,17 @@ class Checkpointer:
     """What the loop needs: when to save, and how."""
 
     def __init__(self, accelerator, output_dir: str | Path, every: int | None, at_end: bool, keep_last: int,
-                 shape: RunShape):
+                 shape: RunShape, rank_state=None):
         self.accelerator, self.output_dir, self.every, self.at_end = accelerator, output_dir, every, at_end
         self.keep_last, self.shape = keep_last, shape
+        self.rank_state = rank_state  # () -> this rank's data position, or None (map-style data)
         self.last_saved: Path | None = None
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.every and step % self.every == 0) or (last and self.at_end)
 
     def save(self, train_state) -> Path:
-        self.last_saved = save(self.accelerator, self.output_dir, train_state, self.shape, self.keep_last)
+        self.last_saved = save(self.accelerator, self.output_dir, train_state, self.shape, self.keep_last,
+                               self.rank_state() if self.rank_state else None)
         self.accelerator.print(f"checkpoint: {self.last_saved}")
         return self.last_saved

@@ -7,6 +7,7 @@ process group or model exists. Every problem is reported as `<file>: <key>: <wha
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -84,8 +85,12 @@ class DataSection(_SourceFields):
                                    "max_seq_len rows (continued pretraining) instead of truncating each")
     chunk_isolate_documents: bool = Field(False, description="with concat_and_chunk: documents in one row do not "
                                           "attend to each other (position ids restart, as in packing)")
-    num_proc: int | None = Field(None, ge=1)
+    num_proc: int | None = Field(None, ge=1, description="Processes for tokenising; default: the CPUs available "
+                                 "(at most 16), one per 20k records")
     shuffle: bool = True
+    streaming: bool = Field(False, description="Read the training data as a stream (local files or the hub): "
+                            "tokenised and packed on the fly, each rank its own shards, nothing cached; "
+                            "needs training.max_steps")
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -103,6 +108,8 @@ class DataSection(_SourceFields):
             raise ValueError("chunk_isolate_documents needs concat_and_chunk: true")
         if self.concat_and_chunk and any(s.format != "text" for s in self.all_sources()):
             raise ValueError("concat_and_chunk applies to format: text only")
+        if self.streaming and any(s.eval_fraction for s in self.all_sources()):
+            raise ValueError("eval_fraction cannot split a stream: give eval_path (or eval_split) with streaming")
         return self
 
     def all_sources(self) -> list[SourceSection]:
@@ -206,6 +213,9 @@ class Recipe(_Section):
     def _check_cross_fields(self) -> Recipe:
         if self.model.quantization and self.lora is None:
             raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
+        if self.data.streaming and self.training.max_steps is None:
+            raise ValueError("data.streaming: true needs training.max_steps (a stream has no length to count "
+                             "epochs in)")
         return self
 
 
@@ -261,10 +271,10 @@ def _read_yaml(path: Path) -> dict:
 def _describe(error: dict, overridden: set[str]) -> str:
     key = ".".join(str(p) for p in error["loc"]) or "(top level)"
     where = " (set on the command line)" if key in overridden else ""
-    message = error["msg"]
+    message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown key; check the spelling against the recipe fields in README.md"
-    elif "input" in error and error["type"] != "missing":
+    elif "input" in error and error["type"] != "missing" and not isinstance(error["input"], dict):
         message += f" (got {error['input']!r})"
     return f"{key}{where}: {message}"
 
@@ -278,7 +288,12 @@ def _check_files(recipe: Recipe, source: Path) -> None:
     for i, src in enumerate(recipe.data.sources or []):
         files += [(f"data.sources.{i}.path", src.path), (f"data.sources.{i}.eval_path", src.eval_path)]
     for key, value in files:
-        if value and value.endswith(LOCAL_DATA_SUFFIXES) and not Path(value).is_file():
+        if not (value and value.endswith(LOCAL_DATA_SUFFIXES)):
+            continue
+        if glob.has_magic(value) and not glob.glob(value):
+            raise RecipeError(f"{source}: {key}: the pattern {value!r} matches no file (paths are relative to the "
+                              f"directory you run from: {os.getcwd()})")
+        if not glob.has_magic(value) and not Path(value).is_file():
             raise RecipeError(f"{source}: {key}: data file {value!r} not found (paths are relative to the "
                               f"directory you run from: {os.getcwd()})")
     local_model = recipe.model.name_or_path.startswith((".", "/")) or Path(recipe.model.name_or_path).exists()

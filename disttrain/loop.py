@@ -243,7 +243,10 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
         state.epoch = state.step // per_epoch
         train_loader.set_epoch(state.epoch)  # the epoch's permutation, identical on every rank
         consumed = (state.step % per_epoch) * ga  # non-zero only right after a mid-epoch resume
-        batches = iter(accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader)
+        if consumed and not getattr(train_loader, "resumes_itself", False):  # a stream loaded its own position
+            batches = iter(accelerator.skip_first_batches(train_loader, consumed))
+        else:
+            batches = iter(train_loader)
         for _ in range(state.step % per_epoch, per_epoch):
             step = state.step + 1
             guards.at("loading the next batches", step)

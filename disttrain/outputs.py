@@ -93,7 +93,8 @@ def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: i
         f"compile={'regional (inductor, dynamic shapes)' if t.compile else 'no'}\n"
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
-        f"{accelerator.num_processes} procs) steps/epoch={per_epoch} total_steps={total_steps}")
+        f"{accelerator.num_processes} procs) "
+        f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} total_steps={total_steps}")
 
 
 def tracker_config(recipe: Recipe) -> dict:

@@ -4,15 +4,24 @@ to learn -> mix the sources -> pack or chunk. Runs on the main process first; th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from disttrain.config import DataSection, SourceSection
+import pyarrow.compute as pc
+
+from disttrain.config import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import chunk_documents, pack_rows
-from disttrain.data.sources import load_split
-from disttrain.data.templates import IGNORE_INDEX, render_and_label
+from disttrain.data.sources import load_split, validate_local_file
+from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
 from disttrain.errors import DataError
+
+
+EXAMPLE_COLUMNS = ("input_ids", "labels", "n_targets", "n_tokens", "truncated")
+MAP_BATCH = 1000        # records per tokenizer call
+MAX_WORKERS = 16        # default data.num_proc is the CPU count, bounded by this
+ROWS_PER_WORKER = 20_000  # ... and by the rows: a worker process costs about a second to start
 
 
 @dataclass
@@ -27,45 +36,101 @@ class DataReport:
     sources: dict[str, dict] = field(default_factory=dict)  # per source: examples, target_tokens (mixtures)
 
 
-def tokenize_record(record, tokenizer, section: DataSection, source: SourceSection | None = None) -> dict:
-    """One record -> input_ids, labels (IGNORE_INDEX on non-targets), n_targets, n_tokens, truncated.
-    Documents are not truncated under concat_and_chunk (they are cut into rows later)."""
-    ids, labels = render_and_label(to_example(record, source or section.all_sources()[0]), tokenizer)
+def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> dict:
+    """Truncation (not under concat_and_chunk: documents are cut into rows later) and the counts kept per
+    example: targets (the first label is never predicted, nothing precedes it), tokens, truncated."""
     truncated = not section.concat_and_chunk and len(ids) > section.max_seq_len
-    if not section.concat_and_chunk:
+    if truncated:
         ids, labels = ids[: section.max_seq_len], labels[: section.max_seq_len]
-    # the first label is never predicted (nothing precedes it), so it does not count as a target
-    n_targets = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+    n_targets = len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
     return {"input_ids": ids, "labels": labels, "n_targets": n_targets, "n_tokens": len(ids), "truncated": truncated}
 
 
-def _tokenize_source(raw, tokenizer, section: DataSection, source: SourceSection, index: int, name: str):
-    def _tokenize(record, i):
-        try:  # parquet and hub data were not pre-scanned: name the record here
-            return {**tokenize_record(record, tokenizer, section, source), SOURCE_KEY: index}
+def tokenize_batch(records: list, tokenizer, section: DataSection, source: SourceSection, where=None) -> dict:
+    """Records -> columns input_ids, labels (IGNORE_INDEX on non-targets), n_targets, n_tokens, truncated.
+    Each conversation is rendered once; all texts of the batch go through one fast-tokenizer call.
+    `where(i)` names record i in an error (file:line or record index)."""
+    rendered = []
+    for i, record in enumerate(records):
+        try:
+            rendered.append(render(to_example(record, source), tokenizer))
         except DataError as exc:
-            raise DataError(f"{name} ({source.label()}) record {i}: {exc}") from None
+            raise DataError(f"{where(i) if where else f'record {i}'}: {exc}") from None
+    examples = [_example_fields(ids, labels, section) for ids, labels in tokenize_rendered(rendered, tokenizer)]
+    return {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
 
-    return raw.map(_tokenize, with_indices=True, remove_columns=raw.column_names, num_proc=section.num_proc,
-                   desc=f"tokenising {name} ({source.label()})")
+
+def tokenize_record(record, tokenizer, section: DataSection, source: SourceSection | None = None) -> dict:
+    """One record -> input_ids, labels, n_targets, n_tokens, truncated (tokenize_batch of one)."""
+    columns = tokenize_batch([record], tokenizer, section, source or section.all_sources()[0])
+    return {key: values[0] for key, values in columns.items()}
 
 
-def prepare(parts: list[tuple[SourceSection, object]], tokenizer, section: DataSection, seed: int, name: str):
+def _records_of(batch: dict) -> list[dict]:
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
+
+
+def _tokenize_source(raw, origin: str | None, tokenizer, section: DataSection, source: SourceSection, index: int,
+                     name: str):
+    def _tokenize(batch, indices):
+        columns = tokenize_batch(_records_of(batch), tokenizer, section, source,
+                                 where=lambda i: f"{name} ({source.label()}) record {indices[i]}")
+        return {**columns, SOURCE_KEY: [index] * len(indices)}
+
+    try:
+        return raw.map(_tokenize, with_indices=True, batched=True, batch_size=MAP_BATCH,
+                       remove_columns=raw.column_names, num_proc=workers(section, len(raw)),
+                       desc=f"tokenising {name} ({source.label()})")
+    except DataError:
+        if origin is not None and looks_local(origin):  # name the file's first bad record as file:line
+            validate_local_file(origin, source)
+        raise
+
+
+def workers(section: DataSection, rows: int) -> int | None:
+    """data.num_proc, or by default one process per CPU this process may use (at most MAX_WORKERS), and only
+    for datasets large enough to repay starting them (ROWS_PER_WORKER rows each)."""
+    if section.num_proc is not None:
+        return section.num_proc
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(cpus, MAX_WORKERS, rows // ROWS_PER_WORKER)
+    return n if n > 1 else None
+
+
+def column_sum(dataset, name: str) -> int:
+    """Sum of an integer/bool column, read through Arrow (no Python object per row)."""
+    return int(pc.sum(dataset.with_format("arrow")[name]).as_py() or 0) if len(dataset) else 0
+
+
+@dataclass
+class Part:
+    """One source's records for one split, and the local file(s) they came from (None: the hub)."""
+
+    source: SourceSection
+    records: object  # datasets.Dataset
+    origin: str | None
+
+
+def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name: str):
     """Tokenise, mask, drop all-masked examples (reported), mix, then pack or chunk. Returns (rows, report)."""
-    tokenized = [_tokenize_source(raw, tokenizer, section, src, i, name) for i, (src, raw) in enumerate(parts)]
+    tokenized = [_tokenize_source(p.records, p.origin, tokenizer, section, p.source, i, name)
+                 for i, p in enumerate(parts)]
     n_before = sum(len(t) for t in tokenized)
-    truncated = sum(sum(t["truncated"]) for t in tokenized)
-    kept = [t.filter(lambda n: n > 0, input_columns="n_targets", num_proc=section.num_proc) for t in tokenized]
+    truncated = sum(column_sum(t, "truncated") for t in tokenized)
+    kept = [t.filter(lambda ns: [n > 0 for n in ns], input_columns="n_targets", batched=True,
+                     batch_size=MAP_BATCH, num_proc=workers(section, len(t))) for t in tokenized]
     if sum(len(k) for k in kept) == 0:
         raise DataError(f"{name}: all {n_before} examples have no target tokens after truncation to "
                         f"max_seq_len={section.max_seq_len} (prompts too long, or empty answers)")
-    for (src, _), part in zip(parts, kept):
-        if len(part) == 0:
-            raise DataError(f"{name}: source {src.label()!r} ({src.path}) has no example with target tokens")
-    names = [src.label() for src, _ in parts]
-    mixed = mix(kept, [src.weight for src, _ in parts], seed)
-    report = DataReport(n_before, 0, n_before - sum(len(k) for k in kept), truncated, sum(mixed["n_targets"]),
-                        tokens=sum(mixed["n_tokens"]), sources=per_source(mixed, names) if len(parts) > 1 else {})
+    for part, rows in zip(parts, kept):
+        if len(rows) == 0:
+            raise DataError(f"{name}: source {part.source.label()!r} ({part.source.path}) has no example with "
+                            "target tokens")
+    names = [p.source.label() for p in parts]
+    mixed = mix(kept, [p.source.weight for p in parts], seed)
+    report = DataReport(n_before, 0, n_before - sum(len(k) for k in kept), truncated, column_sum(mixed, "n_targets"),
+                        tokens=column_sum(mixed, "n_tokens"),
+                        sources=per_source(mixed, names) if len(parts) > 1 else {})
     rows = mixed.remove_columns(["n_targets", "n_tokens", "truncated", SOURCE_KEY])
     if section.concat_and_chunk:
         # one batch: documents are joined across the whole dataset, only the final remainder is dropped
@@ -84,29 +149,38 @@ def prepare(parts: list[tuple[SourceSection, object]], tokenizer, section: DataS
     return rows, report
 
 
-def _eval_split(source: SourceSection, train_raw, seed: int):
-    """(train part, eval part or None) of one source."""
+def _origin(path: str) -> str | None:
+    return path if looks_local(path) else None
+
+
+def _train_and_eval(source: SourceSection, seed: int, streaming: bool) -> tuple[Part | None, Part | None]:
+    """One source's train part (None when the training data is streamed) and its eval part (None without
+    eval data)."""
+    train = None if streaming else Part(source, load_split(source.path, source.split, source), _origin(source.path))
     if source.eval_path or source.eval_split:
-        return train_raw, load_split(source.eval_path or source.path, source.eval_split or "train", source)
-    if source.eval_fraction:
-        parts = train_raw.train_test_split(test_size=source.eval_fraction, seed=seed)
-        return parts["train"], parts["test"]
-    return train_raw, None
+        path = source.eval_path or source.path
+        return train, Part(source, load_split(path, source.eval_split or "train", source), _origin(path))
+    if source.eval_fraction and train is not None:
+        split = train.records.train_test_split(test_size=source.eval_fraction, seed=seed)
+        return Part(source, split["train"], train.origin), Part(source, split["test"], train.origin)
+    return train, None
 
 
 def build_datasets(section: DataSection, tokenizer, seed: int, main_process_first):
     """Returns (train rows, {eval set name: rows}, {name: DataReport}). One source's eval set is "eval";
-    a mixture evaluates each source's eval set on its own, named after the source."""
+    a mixture evaluates each source's eval set on its own, named after the source. With data.streaming the
+    train rows are None (streaming.stream_rows reads them) and only the eval sets are prepared here."""
     sources = section.all_sources()
     with main_process_first():
         train_parts, eval_parts = [], {}
         for src in sources:
-            train_raw, eval_raw = _eval_split(src, load_split(src.path, src.split, src), seed)
-            train_parts.append((src, train_raw))
-            if eval_raw is not None:
-                eval_parts["eval" if section.sources is None else src.label()] = (src, eval_raw)
-        train, train_report = prepare(train_parts, tokenizer, section, seed, "train")
-        reports, evals = {"train": train_report}, {}
+            train_part, eval_part = _train_and_eval(src, seed, section.streaming)
+            train_parts.append(train_part)
+            if eval_part is not None:
+                eval_parts["eval" if section.sources is None else src.label()] = eval_part
+        train, reports, evals = None, {}, {}
+        if not section.streaming:
+            train, reports["train"] = prepare(train_parts, tokenizer, section, seed, "train")
         for name, part in eval_parts.items():
             evals[name], reports[name] = prepare([part], tokenizer, section, seed, name)
     return train, evals, reports

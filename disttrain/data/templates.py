@@ -17,6 +17,8 @@ is used, each answer followed by the EOS token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from disttrain.data.formats import Conversation
 from disttrain.errors import DataError
 
@@ -50,8 +52,18 @@ def _assistant_header(tokenizer) -> str:
     return _HEADERS[template]
 
 
+_ENDERS: dict[tuple, list[str]] = {}  # (template, special tokens) -> end-of-turn tokens (a cache, like _HEADERS)
+
+
 def _end_of_turn_tokens(tokenizer, header: str) -> list[str]:
     """Special tokens that can close an assistant turn: all special tokens but BOS and those of the header."""
+    key = (tokenizer.chat_template, tokenizer.bos_token, len(tokenizer))
+    if key not in _ENDERS:
+        _ENDERS[key] = _find_end_of_turn_tokens(tokenizer, header)
+    return _ENDERS[key]
+
+
+def _find_end_of_turn_tokens(tokenizer, header: str) -> list[str]:
     specials = set(tokenizer.all_special_tokens)
     specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
     return [t for t in specials if t and t != tokenizer.bos_token and t not in header]
@@ -102,17 +114,45 @@ def _plain_rendering(conversation: Conversation, tokenizer) -> tuple[str, list[t
     return text, spans
 
 
-def _labels_from_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
+@dataclass
+class Rendered:
+    """One example ready for the (batched) tokenizer: its text, the character spans to learn, and token ids
+    to put before it (BOS where the tokenizer adds one) that are never targets. Templates with generation
+    markers are tokenised by transformers itself: `ids`/`labels` are set and `text` is None."""
+
+    text: str | None
+    spans: list[tuple[int, int]]
+    prefix: list[int]
+    ids: list[int] | None = None
+    labels: list[int] | None = None
+
+
+def _check_fast(tokenizer) -> None:
     if not tokenizer.is_fast:
         raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer: assistant-only masking needs the "
                         "character offsets only fast tokenizers give (AutoTokenizer loads the fast one by default)")
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, labels, spans = encoded["input_ids"], [], sorted(spans)
-    for token, (start, end) in zip(ids, encoded["offset_mapping"]):
-        # overlap, not containment: byte-level BPE merges a leading space into the first word of an answer
-        inside = any(start < b and end > a for a, b in spans)
-        labels.append(token if inside else IGNORE_INDEX)
-    return ids, labels
+
+
+def _token_range(encoding, start: int, end: int) -> tuple[int, int] | None:
+    """Tokens whose characters overlap [start, end): from the token holding the first covered character to
+    the one holding the last. Overlap, not containment: byte-level BPE merges the space before an answer
+    into its first word, and that token is learned."""
+    first = next((t for c in range(start, end) if (t := encoding.char_to_token(c)) is not None), None)
+    if first is None:  # no token covers any character of the span (e.g. whitespace a normalizer removed)
+        return None
+    last = next(t for c in range(end - 1, start - 1, -1) if (t := encoding.char_to_token(c)) is not None)
+    return first, last + 1
+
+
+def labels_from_spans(encoding, spans) -> list[int]:
+    """Labels of one encoded text: its token ids inside the spans, IGNORE_INDEX elsewhere."""
+    ids = encoding.ids
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans:
+        covered = _token_range(encoding, start, end)
+        if covered is not None:
+            labels[covered[0]:covered[1]] = ids[covered[0]:covered[1]]
+    return labels
 
 
 def _bos(tokenizer) -> list[int]:
@@ -120,22 +160,42 @@ def _bos(tokenizer) -> list[int]:
                                                                                       False) else []
 
 
-def render_and_label(example: Conversation | str, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and labels (IGNORE_INDEX on everything that is not a target) of one example."""
+def render(example: Conversation | str, tokenizer) -> Rendered:
+    """The text the model sees for one example and what of it is learned; no tokenising (but for templates
+    with generation markers, which transformers tokenises and masks in one call)."""
     if isinstance(example, str):  # a document: every token is learned
-        ids = _bos(tokenizer) + tokenizer(example + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        return ids, [IGNORE_INDEX] * len(_bos(tokenizer)) + ids[len(_bos(tokenizer)):]
+        text = example + tokenizer.eos_token
+        return Rendered(text, [(0, len(text))], _bos(tokenizer))
     template = tokenizer.chat_template
     if not template:
         text, spans = _plain_rendering(example, tokenizer)
-        ids, labels = _labels_from_spans(text, spans, tokenizer)
-        bos = _bos(tokenizer)
-        return bos + ids, [IGNORE_INDEX] * len(bos) + labels
+        return Rendered(text, spans, _bos(tokenizer))
     kwargs = {"tools": example.tools} if example.tools else {}
     if has_generation_markers(template):
         out = tokenizer.apply_chat_template(example.messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **kwargs)
         ids = list(out["input_ids"])
-        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"])]
+        return Rendered(None, [], [], ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"])])
     text = tokenizer.apply_chat_template(example.messages, tokenize=False, **kwargs)
-    return _labels_from_spans(text, assistant_spans(text, example.messages, tokenizer), tokenizer)
+    return Rendered(text, assistant_spans(text, example.messages, tokenizer), [])
+
+
+def tokenize_rendered(items: list[Rendered], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of each rendered example; every text goes through ONE batched fast-tokenizer call."""
+    texts = [r.text for r in items if r.text is not None]
+    if texts:
+        _check_fast(tokenizer)
+        encodings = iter(tokenizer(texts, add_special_tokens=False).encodings)  # Rust encodings: char_to_token
+    out = []
+    for r in items:
+        if r.text is None:
+            out.append((r.ids, r.labels))
+            continue
+        encoding = next(encodings)
+        out.append((r.prefix + encoding.ids, [IGNORE_INDEX] * len(r.prefix) + labels_from_spans(encoding, r.spans)))
+    return out
+
+
+def render_and_label(example: Conversation | str, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and labels (IGNORE_INDEX on everything that is not a target) of one example."""
+    return tokenize_rendered([render(example, tokenizer)], tokenizer)[0]
