@@ -48,7 +48,7 @@ LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume doctor diagnose cost bench bench-overhead bench-memory gpu-acceptance clean
+	test preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -118,6 +118,9 @@ bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same d
 
 bench-memory: setup ## loss memory, plain (full logits) vs chunked, per strategy, 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench_memory --nproc $(GPUS) $(ARGS)
+
+bench-data: tiny ## data preparation: ours vs one batched tokenizer pass, memory vs size, DDP time to first step -> bench/data/
+	$(PY) -m disttrain.bench_data $(ARGS)
 
 gpu-acceptance: tiny ## on a GPU machine: check every GPU-only claim -> gpu_acceptance/acceptance.{json,md} (ARGS='--wheels DIR')
 	$(PY) scripts/gpu/acceptance.py --out gpu_acceptance $(ARGS)

@@ -50,14 +50,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None) -> subprocess.CompletedProcess:
-    """Run from the repository root (relative ds_configs paths), one CPU thread per process. After
-    `timeout_s` the launcher and every process it started are killed (returncode -9, the output kept)."""
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run from the repository root (relative ds_configs paths), one CPU thread per process, `env` added to
+    the environment. After `timeout_s` the launcher and every process it started are killed (returncode -9,
+    the output kept)."""
     # With a timeout the launch gets its own process group, so that killing it kills the workers too (without
     # one it stays in ours: Ctrl-C reaches every process as usual).
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=timeout_s is not None,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -76,9 +76,36 @@ def report_data(accelerator, reports: dict, out_dir: str | Path) -> None:
         if r.dropped_remainder_tokens:
             accelerator.print(f"data[{name}]: note: the last {r.dropped_remainder_tokens} tokens (less than one row) "
                               "were dropped by concat_and_chunk")
+    per_rank = _preparation_per_rank(accelerator, reports.get("train"))
     if accelerator.is_main_process:
-        (Path(out_dir) / "data_report.json").write_text(
-            json.dumps({name: asdict(r) for name, r in reports.items()}, indent=1))
+        summary = {name: asdict(r) for name, r in reports.items()}
+        for r in summary.values():  # rank-local numbers: reported for every rank below instead
+            r.pop("prepare_s"), r.pop("tokenised_here")
+        summary["preparation_per_rank"] = per_rank
+        (Path(out_dir) / "data_report.json").write_text(json.dumps(summary, indent=1))
+
+
+def _preparation_per_rank(accelerator, train_report) -> list[dict]:
+    """Every rank's preparation time and whether it tokenised (collective). Only the main process should:
+    the others read its `datasets` cache. A rank that tokenised too has another cache (several nodes
+    without a shared HF_DATASETS_CACHE): said in one line, since it multiplies start-up time."""
+    from accelerate.utils import gather_object
+
+    if train_report is None:  # a stream: every rank tokenises its own shards as it trains
+        return []
+    mine = {"rank": accelerator.process_index, "prepare_s": round(train_report.prepare_s, 3),
+            "tokenised_here": train_report.tokenised_here}
+    per_rank = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    others = [r for r in per_rank if r["rank"] != 0]
+    accelerator.print(f"data: prepared in {per_rank[0]['prepare_s']:.1f} s on rank 0"
+                      + (f"; the other ranks read its cache in <= {max(r['prepare_s'] for r in others):.1f} s"
+                         if others else ""))
+    again = [r["rank"] for r in others if r["tokenised_here"]]
+    if again:
+        accelerator.print(f"data: WARNING ranks {again} tokenised the data again instead of reading rank 0's cache: "
+                          "their datasets cache is elsewhere (several nodes?); point HF_DATASETS_CACHE at a "
+                          "shared directory on every node")
+    return per_rank
 
 
 def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO
 from disttrain.config import DataSection
 from disttrain.data import IGNORE_INDEX, build_datasets, chunk_documents
+from disttrain.data.packing import DocumentChunker
 from disttrain.errors import RecipeError
 
 ALPACA, CHAT, SHAREGPT = (str(REPO / "data" / f) for f in ("tiny_alpaca.jsonl", "tiny_chat.jsonl",
@@ -96,6 +97,17 @@ def test_chunking_joins_documents_and_drops_only_the_final_remainder():
     assert isolated["position_ids"] == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]  # every row starts at 0
     # a document's first token is not predicted from the previous document
     assert isolated["labels"][1] == [IGNORE_INDEX, 5, 0, IGNORE_INDEX]
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_chunking_batch_by_batch_equals_chunking_everything_at_once(isolate):
+    """The pipeline chunks 1,000 documents at a time (bounded memory); rows crossing batch boundaries carry
+    over, so the result is the same as joining the whole corpus."""
+    docs = [list(range(100 * d, 100 * d + 1 + d % 7)) + [0] for d in range(50)]
+    whole, left = chunk_documents(docs, 8, isolate)
+    chunker = DocumentChunker(8, isolate)
+    parts = [chunker(docs[i:i + 3]) for i in range(0, len(docs), 3)]
+    assert {k: [row for p in parts for row in p[k]] for k in whole} == whole and len(chunker.carry) == left
 
 
 def test_continued_pretraining_reports_tokens_per_epoch_and_the_dropped_remainder(tmp_path, tokenizer):

@@ -59,6 +59,8 @@ def test_shipped_tiny_data_recipes_train_under_make_train_ddp(recipe, tmp_path, 
     evals = [r for r in read_metrics(out) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
     report = json.loads((out / "data_report.json").read_text())
+    # only the main process tokenises; rank 1 reads its datasets cache
+    assert [r["tokenised_here"] for r in report["preparation_per_rank"] if r["rank"] != 0] == [False]
     if recipe == "tiny/mix_sft.yaml":
         assert set(report["train"]["sources"]) == {"alpaca", "chat", "tools"}
         assert {"eval_loss/alpaca", "eval_loss/chat", "eval_loss/tools"} <= set(evals[0])

@@ -1,5 +1,5 @@
 """data.streaming: each rank reads its own shards lazily; a stopped run resumes exactly where it was, without
-replaying the stream (the position is in the checkpoint), under DDP and FSDP2."""
+replaying the stream (the position is in the checkpoint), under DDP, FSDP2 and ZeRO-3."""
 
 import json
 
@@ -118,7 +118,7 @@ STEPS, STOP = 12, 5
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_stopped_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, tiny_model_dir, shards):
     """Packed stream over 4 shards, 2 ranks, grad_accum 2, crossing a pass; stopped at step 5 and resumed
     (a new process reads each rank's saved position) -> the uninterrupted run's losses, eval included."""

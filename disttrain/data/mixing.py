@@ -26,7 +26,7 @@ def per_source(dataset, names: list[str]) -> dict[str, dict]:
     """Examples and target tokens the mixture really holds, per source."""
     import numpy as np
 
-    table = dataset.with_format("numpy")
-    sources, targets = np.asarray(table[SOURCE_KEY]), np.asarray(table["n_targets"])
-    return {name: {"examples": int((sources == i).sum()), "target_tokens": int(targets[sources == i].sum())}
-            for i, name in enumerate(names)}
+    counts = np.zeros((len(names), 2), dtype=np.int64)
+    for block in dataset.select_columns([SOURCE_KEY, "n_targets"]).with_format("numpy").iter(batch_size=8_192):
+        np.add.at(counts, block[SOURCE_KEY], np.stack([np.ones_like(block["n_targets"]), block["n_targets"]], 1))
+    return {name: {"examples": int(counts[i, 0]), "target_tokens": int(counts[i, 1])} for i, name in enumerate(names)}

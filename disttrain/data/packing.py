@@ -32,34 +32,54 @@ def pack_rows(input_ids: list[list[int]], labels: list[list[int]], max_len: int)
     return rows
 
 
-def chunk_documents(input_ids: list[list[int]], max_len: int, isolate: bool) -> tuple[dict, int]:
-    """Concatenate tokenised documents (each already ends with EOS) and cut them into rows of exactly max_len.
-    Returns (rows, tokens in the dropped final remainder). With `isolate`, position ids restart at every
+class DocumentChunker:
+    """Concat-and-chunk over batches of documents taken in order: the tokens left after a batch's last full
+    row open the next batch's first row, so the rows equal chunking the whole corpus at once while memory
+    holds one batch. Each document already ends with EOS. With `isolate`, position ids restart at every
     document start inside a row and that first token is not a target (it would be predicted across the
     boundary), as in packing; without it a row is one causal sequence, the usual pretraining layout."""
-    stream = [t for doc in input_ids for t in doc]
-    starts = set()
-    offset = 0
-    for doc in input_ids:
-        starts.add(offset)
-        offset += len(doc)
-    usable = len(stream) // max_len * max_len
-    rows = {"input_ids": [], "labels": []}
-    if isolate:
-        rows["position_ids"] = []
-    for begin in range(0, usable, max_len):
-        ids = stream[begin:begin + max_len]
-        rows["input_ids"].append(ids)
-        if not isolate:
-            rows["labels"].append(list(ids))
-            continue
-        labels, positions, pos = [], [], 0
-        for i, token in enumerate(ids):
-            if begin + i in starts:  # a document starts: positions restart, its first token is no target
-                pos = 0
-            labels.append(IGNORE_INDEX if begin + i in starts else token)
-            positions.append(pos)
-            pos += 1
-        rows["labels"].append(labels)
-        rows["position_ids"].append(positions)
-    return rows, len(stream) - usable
+
+    def __init__(self, max_len: int, isolate: bool):
+        self.max_len, self.isolate = max_len, isolate
+        self.carry: list[int] = []         # tokens of the row not yet full
+        self.carry_starts: list[int] = []  # where documents start inside it
+
+    def __call__(self, input_ids: list[list[int]]) -> dict:
+        stream = self.carry + [t for doc in input_ids for t in doc]
+        starts, offset = list(self.carry_starts), len(self.carry)
+        for doc in input_ids:
+            starts.append(offset)
+            offset += len(doc)
+        usable = len(stream) // self.max_len * self.max_len
+        rows = self._rows(stream, set(starts), usable)
+        self.carry, self.carry_starts = stream[usable:], [p - usable for p in starts if p >= usable]
+        return rows
+
+    def _rows(self, stream: list[int], starts: set[int], usable: int) -> dict:
+        rows = {"input_ids": [], "labels": []}
+        if self.isolate:
+            rows["position_ids"] = []
+        for begin in range(0, usable, self.max_len):
+            ids = stream[begin:begin + self.max_len]
+            rows["input_ids"].append(ids)
+            if not self.isolate:
+                rows["labels"].append(list(ids))
+                continue
+            labels, positions, pos = [], [], 0
+            for i, token in enumerate(ids):
+                if begin + i in starts:  # a document starts: positions restart, its first token is no target
+                    pos = 0
+                labels.append(IGNORE_INDEX if begin + i in starts else token)
+                positions.append(pos)
+                pos += 1
+            rows["labels"].append(labels)
+            rows["position_ids"].append(positions)
+        return rows
+
+
+def chunk_documents(input_ids: list[list[int]], max_len: int, isolate: bool) -> tuple[dict, int]:
+    """Concatenate tokenised documents and cut them into rows of exactly max_len (see DocumentChunker).
+    Returns (rows, tokens in the dropped final remainder)."""
+    chunker = DocumentChunker(max_len, isolate)
+    rows = chunker(input_ids)
+    return rows, len(chunker.carry)

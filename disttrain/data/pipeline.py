@@ -5,6 +5,7 @@ to learn -> mix the sources -> pack or chunk. Runs on the main process first; th
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
@@ -12,7 +13,7 @@ import pyarrow.compute as pc
 from disttrain.config import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
-from disttrain.data.packing import chunk_documents, pack_rows
+from disttrain.data.packing import DocumentChunker, pack_rows
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
 from disttrain.errors import DataError
@@ -22,6 +23,7 @@ EXAMPLE_COLUMNS = ("input_ids", "labels", "n_targets", "n_tokens", "truncated")
 MAP_BATCH = 1000        # records per tokenizer call
 MAX_WORKERS = 16        # default data.num_proc is the CPU count, bounded by this
 ROWS_PER_WORKER = 20_000  # ... and by the rows: a worker process costs about a second to start
+COLUMN_BLOCK = 8_192    # rows per block when summing a column
 
 
 @dataclass
@@ -34,6 +36,10 @@ class DataReport:
     tokens: int = 0                      # non-padding input tokens of one epoch
     dropped_remainder_tokens: int = 0    # concat-and-chunk: the final partial row
     sources: dict[str, dict] = field(default_factory=dict)  # per source: examples, target_tokens (mixtures)
+    # this rank only: seconds spent loading + preparing (after waiting for the main process), and whether it
+    # tokenised (wrote cache files) itself instead of reading the main process's cache
+    prepare_s: float = 0.0
+    tokenised_here: bool = False
 
 
 def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> dict:
@@ -97,9 +103,17 @@ def workers(section: DataSection, rows: int) -> int | None:
     return n if n > 1 else None
 
 
+def _with_target_counts(rows: dict) -> dict:
+    rows["n_targets"] = [len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
+                         for labels in rows["labels"]]
+    return rows
+
+
 def column_sum(dataset, name: str) -> int:
-    """Sum of an integer/bool column, read through Arrow (no Python object per row)."""
-    return int(pc.sum(dataset.with_format("arrow")[name]).as_py() or 0) if len(dataset) else 0
+    """Sum of an integer/bool column, read through Arrow in blocks (no Python object per row; reading a
+    filtered dataset's whole column at once builds one Arrow chunk per row, ~0.5 kB each)."""
+    column = dataset.select_columns([name]).with_format("arrow")
+    return sum(int(pc.sum(block[name]).as_py() or 0) for block in column.iter(batch_size=COLUMN_BLOCK))
 
 
 @dataclass
@@ -133,13 +147,15 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
                         sources=per_source(mixed, names) if len(parts) > 1 else {})
     rows = mixed.remove_columns(["n_targets", "n_tokens", "truncated", SOURCE_KEY])
     if section.concat_and_chunk:
-        # one batch: documents are joined across the whole dataset, only the final remainder is dropped
-        rows = rows.map(lambda b: chunk_documents(b["input_ids"], section.max_seq_len,
-                                                  section.chunk_isolate_documents)[0],
-                        batched=True, batch_size=None, remove_columns=rows.column_names, desc=f"chunking {name}")
+        # batches in order, one process: a row may continue into the next batch (DocumentChunker); only the
+        # final remainder is dropped
+        chunker = DocumentChunker(section.max_seq_len, section.chunk_isolate_documents)
+        rows = rows.map(lambda b: _with_target_counts(chunker(b["input_ids"])), batched=True,
+                        batch_size=MAP_BATCH, remove_columns=rows.column_names, desc=f"chunking {name}")
         report.dropped_remainder_tokens = report.tokens - len(rows) * section.max_seq_len
         report.tokens = len(rows) * section.max_seq_len
-        report.target_tokens = sum(sum(1 for t in labels[1:] if t != IGNORE_INDEX) for labels in rows["labels"])
+        report.target_tokens = column_sum(rows, "n_targets")
+        rows = rows.remove_columns("n_targets")
     elif section.packing:
         if section.shuffle:
             rows = rows.shuffle(seed=seed)  # mix lengths before packing; the loader reshuffles rows
@@ -172,6 +188,7 @@ def build_datasets(section: DataSection, tokenizer, seed: int, main_process_firs
     train rows are None (streaming.stream_rows reads them) and only the eval sets are prepared here."""
     sources = section.all_sources()
     with main_process_first():
+        started, wall_start = time.perf_counter(), time.time()
         train_parts, eval_parts = [], {}
         for src in sources:
             train_part, eval_part = _train_and_eval(src, seed, section.streaming)
@@ -183,4 +200,14 @@ def build_datasets(section: DataSection, tokenizer, seed: int, main_process_firs
             train, reports["train"] = prepare(train_parts, tokenizer, section, seed, "train")
         for name, part in eval_parts.items():
             evals[name], reports[name] = prepare([part], tokenizer, section, seed, name)
+        for name, report in reports.items():
+            report.prepare_s = time.perf_counter() - started
+            report.tokenised_here = written_since(train if name == "train" else evals[name], wall_start)
     return train, evals, reports
+
+
+def written_since(dataset, wall_start: float) -> bool:
+    """Whether this process wrote any of the dataset's cache files (else it read another process's cache).
+    An in-memory dataset (caching disabled) was necessarily computed here."""
+    files = [f["filename"] for f in dataset.cache_files]
+    return not files or any(os.path.getmtime(f) >= wall_start for f in files if os.path.exists(f))

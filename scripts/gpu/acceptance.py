@@ -49,11 +49,11 @@ Time on the H200 — an ESTIMATE, not a measurement (this script has never run o
 launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s there, almost all start-up
 (imports, CUDA init, model load); DeepSpeed ~15-20 s. Per item (Item.estimate_s below):
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
-    full_bf16_single 40, _fsdp 45, _zero2 55, _zero3 60 (3 launches each); lora_ddp 15, lora_fsdp 18,
-    qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP
-    without flash-attn: ~2 s)                                   356 s in all; 3 side by side: ~120-150 s
+    full_bf16_single 40, _fsdp 45, _zero2 55, _zero3 60, streaming_resume 40 (3 launches each); lora_ddp 15,
+    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, packing_sdpa 35, packing_flash_attention_2 35
+    (a SKIP without flash-attn: ~2 s)                           396 s in all; 3 side by side: ~135-165 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 60    ~180 s
-    total ~6.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
+    total ~6.8 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~9 min, so the last items would be SKIPped for the budget.
 CPU dry run here (2 cores): all CPU items ~1.9 min; the test's subset ~55 s.
 """
@@ -299,21 +299,24 @@ def check_adapter_export(final: Path, log: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- items
-def full_finetune(ctx: Ctx, config: str) -> tuple[str, str]:
-    """Uninterrupted vs stopped-at-N/2-and-relaunched: same per-step losses; the export loads."""
+def full_finetune(ctx: Ctx, config: str, streaming: bool = False) -> tuple[str, str]:
+    """Uninterrupted vs stopped-at-N/2-and-relaunched: same per-step losses; the export loads. `streaming`:
+    the training data as a stream (the loader moves batches to the GPU itself; position from the checkpoint)."""
     if config.startswith("zero"):
         ok, why = ctx.importable("deepspeed")
         if not ok:
             raise Fail(f"deepspeed does not import: {why}")
     n, stop = ctx.s.steps, ctx.s.steps // 2
     ckpt = {"checkpoint_every": stop, "keep_last": 2}
+    data = {"streaming": True} if streaming else {}
     a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
-    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt))
+    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data))
     ref = require_finite_losses(a, n, log_a)
-    first, log_b = train(ctx, "stopped", config, recipe(ctx, b, output=ckpt), (f"training.stop_at_step={stop}",))
+    first, log_b = train(ctx, "stopped", config, recipe(ctx, b, output=ckpt, data=data),
+                         (f"training.stop_at_step={stop}",))
     if f"stopped at step {stop}/{n}" not in first.stdout:
         raise Fail(f"the run with training.stop_at_step={stop} did not say 'stopped at step {stop}/{n}'", log_b)
-    second, log_c = train(ctx, "relaunched", config, recipe(ctx, b, output=ckpt))
+    second, log_c = train(ctx, "relaunched", config, recipe(ctx, b, output=ckpt, data=data))
     if f"at step {stop}/{n}" not in second.stdout or "resumed from" not in second.stdout:
         raise Fail(f"the relaunch did not resume at step {stop} (no 'resumed from ... at step {stop}/{n}')", log_c)
     resumed_from = [r.get("resumed_from_step") for r in read_metrics(b) if "resumed_from_step" in r]
@@ -528,6 +531,7 @@ ITEMS = [
     Item("full_bf16_fsdp", partial(full_finetune, config="fsdp"), 45, 120, True),
     Item("full_bf16_zero2", partial(full_finetune, config="zero2"), 55, 150, True),
     Item("full_bf16_zero3", partial(full_finetune, config="zero3"), 60, 150, True),
+    Item("streaming_resume", partial(full_finetune, config="single_gpu", streaming=True), 40, 120, True),
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),
