@@ -89,3 +89,21 @@ def test_bench_memory_measures_plain_chunked_and_floor(tmp_path):
     assert all(row[f"{run}_peak_gb"] > 0 and row[f"{run}_step_s"] > 0 for run in ("plain", "chunked", "floor"))
     assert row["plain_loss_gb"] == pytest.approx(row["plain_peak_gb"] - row["floor_peak_gb"])
     assert "| single_gpu |" in (out / "results.md").read_text()
+
+
+def test_bench_data_measures_ours_floor_memory_and_the_first_step(tmp_path):
+    """`make bench-data` end to end on small sizes: every format against its floor, memory at two sizes, and
+    the 2-process launch whose data_report says that only rank 0 tokenised."""
+    from disttrain.bench_data import main as data_main
+
+    out = tmp_path / "data"
+    data_main(["--alpaca", "400", "--chat", "100", "--text", "0", "--max-seq-len", "256", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["formats"]) == {"alpaca", "chat"}
+    for r in results["formats"].values():
+        assert r["ours"]["records"] == r["floor"]["records"] and r["ratio"] > 0
+    small, full = results["memory"]["validate"]
+    assert (small["records"], full["records"]) == (100, 400) and full["peak_anon_gb"] > 0
+    assert [r["tokenised_here"] for r in results["launch"]["preparation_per_rank"]] == [True, False]
+    assert results["launch"]["seconds_to_first_step"] > 0
+    assert "| alpaca | 400 |" in (out / "results.md").read_text()
