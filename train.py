@@ -42,6 +42,7 @@ def main(argv=None):
     from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, set_deepspeed_micro_batch,
                                     shards_weights)
     from disttrain.loss import TokenLoss
+    from disttrain.preference import PreferenceLoss, data_fingerprint, precompute_reference, reference_loaders
     from disttrain.metrics import MetricsLogger
 
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
@@ -92,11 +93,15 @@ def main(argv=None):
     guards.at("loading the model")
     model = modeling.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
                                 local_device=accelerator.local_process_index if has_gpu() else None)
-    token_loss = TokenLoss(model, cfg.loss_impl)  # chunked: lm_head returns per-token losses, no full logits
+    # the objective: SFT's token loss (chunked: lm_head returns per-token losses, no full logits), or DPO's
+    dpo = cfg.objective == "dpo"
+    token_loss = (PreferenceLoss(model, recipe.preference, recipe.reference_mode()) if dpo
+                  else TokenLoss(model, cfg.loss_impl))
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps)
-    collator = data.Collator(tokenizer.pad_token_id,
-                             flatten_packed=data.flattens_packed_rows(recipe.model.attn_implementation))
+    collator = (data.PairCollator(tokenizer.pad_token_id) if dpo else
+                data.Collator(tokenizer.pad_token_id,
+                              flatten_packed=data.flattens_packed_rows(recipe.model.attn_implementation)))
     eval_loaders = {name: data.make_loader(rows, cfg.micro_batch_size, collator, False, False)
                     for name, rows in eval_sets.items()}
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
@@ -116,7 +121,15 @@ def main(argv=None):
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
     flops_meter, peak = outputs.throughput_setup(accelerator, recipe, model)
 
-    # 6. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
+    # 6. Reference log-probs of a full-weight DPO run: one pass with the initial weights (read back on resume).
+    if dpo and recipe.reference_mode() == "precomputed":
+        guards.at("computing the reference log-probs (preference tuning)")
+        token_loss.tables = precompute_reference(accelerator, model, token_loss,
+                                                 reference_loaders(accelerator, train_set, eval_sets, eval_loaders,
+                                                                   cfg.micro_batch_size, collator),
+                                                 recipe.output.dir, data_fingerprint(train_set, eval_sets))
+
+    # 7. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
     state = loop.TrainState()
     if resume_from is not None:
         guards.at("loading the checkpoint")
@@ -126,7 +139,7 @@ def main(argv=None):
             train_loader.load_state_dict(checkpoint.load_rank_state(resume_from, accelerator.process_index))
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{total_steps}")
 
-    # 7. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
+    # 8. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
     signal.signal(signal.SIGTERM, loop.request_stop)
     accelerator.init_trackers(recipe.logging.project, config=outputs.tracker_config(recipe),
                               init_kwargs=outputs.tracker_init_kwargs(recipe))
@@ -145,7 +158,7 @@ def main(argv=None):
         accelerator.end_training()
         return state
 
-    # 8. Export a standard HF model dir (full weights, or the LoRA adapter).
+    # 9. Export a standard HF model dir (full weights, or the LoRA adapter).
     if recipe.output.save_final_model:
         guards.at("exporting the final model", state.step)
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe), recipe.model,

@@ -36,7 +36,7 @@ class ModelSection(_Section):
     quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
 
 
-DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference"]
 # the record fields each format reads; `columns` maps them to a dataset's own column names
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools"),
                  "sharegpt": ("conversations", "tools", "system"), "text": ("text",)}
@@ -151,11 +151,31 @@ class TrainingSection(_Section):
                                       "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
     compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
                           "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
+    objective: Literal["sft", "dpo"] = Field("sft", description="sft: learn the targets; dpo: preference tuning "
+                                             "on {prompt, chosen, rejected} pairs (the preference section)")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no_is_false(cls, value):
         return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
+
+
+class PreferenceSection(_Section):
+    """training.objective: dpo. Losses as in TRL: sigmoid (DPO), ipo, hinge (with a reference), simpo and orpo
+    (reference-free)."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0, description="DPO/IPO/hinge/SimPO temperature; ORPO: the odds-ratio weight lambda")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid and simpo: the probability that a "
+                                   "pair's preference is flipped (conservative DPO)")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin gamma")
+    reference: Literal["auto", "model", "precomputed", "none"] = Field(
+        "auto", description="auto: LoRA -> the base model with the adapters disabled; full fine-tuning -> "
+        "precomputed; simpo/orpo -> none. model: a frozen copy next to the policy. precomputed: one pass of "
+        "reference log-probs before training, saved in output.dir")
+
+    def reference_free(self) -> bool:
+        return self.loss in ("simpo", "orpo")
 
 
 class LoraSection(_Section):
@@ -205,6 +225,7 @@ class Recipe(_Section):
     data: DataSection
     training: TrainingSection = TrainingSection()
     lora: LoraSection | None = None
+    preference: PreferenceSection = PreferenceSection()
     logging: LoggingSection = LoggingSection()
     distributed: DistributedSection = DistributedSection()
     output: OutputSection
@@ -213,10 +234,50 @@ class Recipe(_Section):
     def _check_cross_fields(self) -> Recipe:
         if self.model.quantization and self.lora is None:
             raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
+        self._check_objective()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming: true needs training.max_steps (a stream has no length to count "
                              "epochs in)")
         return self
+
+
+    def _check_objective(self) -> None:
+        pairs = [s.format == "preference" for s in self.data.all_sources()]
+        if self.training.objective == "sft" and any(pairs):
+            raise ValueError("data.format: preference holds {prompt, chosen, rejected} pairs: set "
+                             "training.objective: dpo (or give SFT data)")
+        if self.training.objective != "dpo":
+            return
+        if not all(pairs):
+            raise ValueError("training.objective: dpo needs data.format: preference ({prompt, chosen, rejected} "
+                             "records) for every source")
+        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
+            raise ValueError("training.objective: dpo keeps each pair's chosen and rejected side by side in one "
+                             "micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+        if self.training.loss_impl != "chunked":
+            raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
+                             "training.loss_impl: plain")
+        pref = self.preference
+        if pref.reference == "model":
+            raise ValueError("preference.reference: model (a live frozen copy) is not available yet: use precomputed "
+                             "(the same reference log-probs, computed once, one model in memory) or auto")
+        if pref.reference_free() and pref.reference not in ("auto", "none"):
+            raise ValueError(f"preference.loss: {pref.loss} is reference-free: set preference.reference: auto or none")
+        if not pref.reference_free() and pref.reference == "none":
+            raise ValueError(f"preference.loss: {pref.loss} compares the policy with a reference: set "
+                             "preference.reference to auto, model or precomputed (or use loss simpo / orpo)")
+        if pref.reference == "model" and self.lora is not None:
+            raise ValueError("preference.reference: model with LoRA would hold a second copy of the base model; "
+                             "use auto (the base model with the adapters disabled is the reference)")
+
+    def reference_mode(self) -> str:
+        """What the reference is in this run: none, adapters (LoRA: adapters disabled), precomputed, model."""
+        pref = self.preference
+        if pref.reference_free():
+            return "none"
+        if pref.reference == "auto":
+            return "adapters" if self.lora is not None else "precomputed"
+        return pref.reference
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -19,7 +19,7 @@ from itertools import islice
 import torch
 
 from disttrain import guards
-from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.data import LENGTHS_KEY
 from disttrain.loss import TokenLoss
 
 
@@ -52,10 +52,10 @@ def request_stop(*_signal_args) -> None:
     _stop_requested = True
 
 
-def _window_denominator(window: list[dict], accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce of (target tokens in this window, stop requested): one small collective per step.
-    Both results stay on the device; the stop flag is read through _FlagOnHost at the end of the step."""
-    targets = sum(count_targets(b) for b in window).to(accelerator.device, torch.float32)
+def _window_denominator(window: list[dict], accelerator, objective: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce of (target tokens -- or pairs -- in this window, stop requested): one small collective per
+    step. Both results stay on the device; the stop flag is read through _FlagOnHost at the end of the step."""
+    targets = sum(objective.units(b) for b in window).to(accelerator.device, torch.float32)
     stop = torch.full((), float(_stop_requested), device=targets.device)  # a fill, not a host-to-device copy
     total = accelerator.reduce(torch.stack([targets, stop]), reduction="sum")
     # scale so that accelerate's /grad_accum and the strategy's mean over ranks are undone
@@ -104,42 +104,23 @@ def _as_float(value) -> float:
     return float(value) if value is not None else float("nan")
 
 
-def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
-    """(loss sum, target count) per dataset row, whether the rows came padded side by side or flattened into
-    one row (flash-attention packing): gather_for_metrics drops duplicated rows by counting dataset rows."""
-    targets = (labels != IGNORE_INDEX).to(per_token.dtype)
-    if per_token.shape[0] == batch[LENGTHS_KEY].shape[0]:
-        return torch.stack([per_token.sum(-1), targets.sum(-1)], dim=-1)
-    lengths = batch[LENGTHS_KEY]
-    row_of_label = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[1:]
-    sums = per_token.new_zeros(len(lengths), 2)
-    return sums.index_add_(0, row_of_label, torch.stack([per_token[0], targets[0]], dim=-1))
-
-
 @torch.no_grad()
-def evaluate(accelerator, model, loader, token_loss: TokenLoss) -> tuple[float, float]:
-    """(loss sum, target tokens) over one eval set, all ranks; duplicated padding samples are dropped by
+def evaluate(accelerator, model, loader, objective: TokenLoss, name: str = "eval") -> torch.Tensor:
+    """The objective's eval sums over one eval set, all ranks; duplicated padding samples are dropped by
     gather_for_metrics."""
     model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    n_tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    totals = None
     for batch in loader:
-        per_token = token_loss.token_losses(model, batch)
-        labels = batch["labels"][:, 1:]
-        per_row = accelerator.gather_for_metrics(_per_row_sums(per_token, labels, batch))
-        loss_sum += per_row[:, 0].sum()
-        n_tokens += per_row[:, 1].sum()
+        per_row = accelerator.gather_for_metrics(objective.eval_rows(model, batch, name)).double().sum(0)
+        totals = per_row if totals is None else totals + per_row
     model.train()
-    return float(loss_sum), float(n_tokens)
+    return totals
 
 
-def evaluate_all(accelerator, model, loaders: dict, token_loss: TokenLoss) -> dict[str, float]:
-    """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
-    mixture (a single source's set is just "eval")."""
-    sums = {name: evaluate(accelerator, model, loader, token_loss) for name, loader in loaders.items()}
-    record = {"eval_loss": sum(s for s, _ in sums.values()) / max(sum(n for _, n in sums.values()), 1.0)}
-    record.update({f"eval_loss/{name}": s / max(n, 1.0) for name, (s, n) in sums.items() if name != "eval"})
-    return record
+def evaluate_all(accelerator, model, loaders: dict, objective: TokenLoss) -> dict[str, float]:
+    """`eval_loss` over every eval set, and per set of a mixture (`eval_loss/<source>`)."""
+    return objective.eval_record({name: evaluate(accelerator, model, loader, objective, name)
+                                  for name, loader in loaders.items()})
 
 
 class _Window:
@@ -170,16 +151,16 @@ class _Window:
         self.excluded_s += took
         return result, took
 
-    def add_micro(self, loss_sum: torch.Tensor, batch: dict):
+    def add_micro(self, loss_sum: torch.Tensor, units: torch.Tensor, batch: dict):
         # device tensors only: a Python number copied to a GPU would synchronise the stream every micro-batch
         zero = loss_sum.new_zeros(())
         flops = self.meter.batch_flops(batch) if self.meter else zero
         recompute = self.meter.recompute_flops(batch) if self.meter else zero
-        values = [loss_sum, count_targets(batch), batch[LENGTHS_KEY].sum(), flops, recompute]  # DEVICE_FIELDS
+        values = [loss_sum, units, batch[LENGTHS_KEY].sum(), flops, recompute]  # DEVICE_FIELDS
         self.sums += torch.stack([v.to(self.device, torch.float64) for v in values])
         self.padded_tokens += batch["input_ids"].numel()  # known on the host
 
-    def summarize(self, accelerator) -> dict:
+    def summarize(self, accelerator, unit_name: str = "target_tokens") -> dict:
         from disttrain.throughput import peak_memory_gb
 
         host = torch.tensor([self.padded_tokens, self.data_wait, peak_memory_gb(self.device)], dtype=torch.float64)
@@ -203,7 +184,7 @@ class _Window:
             "padded_tokens_per_s_per_device": float(f["padded_tokens"].sum()) / elapsed / devices,
             "data_wait_share": float(f["data_wait_s"].max()) / elapsed,
             "peak_mem_gb": float(f["peak_mem_gb"].max()),
-            "target_tokens": int(f["targets"].sum()),
+            unit_name: int(f["targets"].sum()),
             "tokens": int(f["tokens"].sum()),
         }
         if self.meter is not None:
@@ -254,7 +235,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             micro_batches = list(islice(batches, ga))
             window.data_wait += time.perf_counter() - fetch_started
             guards.at("all_reduce of the step's target-token count", step)
-            denominator, stop_flag = _window_denominator(micro_batches, accelerator)
+            denominator, stop_flag = _window_denominator(micro_batches, accelerator, token_loss)
             stop_requested = _FlagOnHost(stop_flag)
             guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
@@ -265,7 +246,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
                         grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                window.add_micro(loss.detach() * denominator, batch)
+                window.add_micro(loss.detach() * denominator, token_loss.units(batch), batch)
             scheduler.step()
             state.step += 1
             window.steps += 1
@@ -277,10 +258,11 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             save = checkpointer is not None and (checkpointer.due(state.step, last) or stop)
             if state.step % log_every == 0 or last or save:
                 guards.at("gathering metrics from all ranks", step)
-                summary = window.summarize(accelerator)
+                summary = window.summarize(accelerator, token_loss.unit_name)
                 state.tokens_seen += summary["tokens"]
-                log({**summary, "lr": scheduler.get_last_lr()[0], "grad_norm": _as_float(grad_norm),
-                     "epoch": state.epoch, "tokens_seen": state.tokens_seen}, state.step)
+                log({**summary, **token_loss.window_metrics(accelerator), "lr": scheduler.get_last_lr()[0],
+                     "grad_norm": _as_float(grad_norm), "epoch": state.epoch, "tokens_seen": state.tokens_seen},
+                    state.step)
                 warn_loss_spread(summary, state.step, accelerator.print)
                 window.reset()
             # timed apart from the window: tokens/s and MFU count training time only

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX
+from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
 
@@ -54,7 +54,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     logits are kept and none are recomputed. The output is a sum, so that scale is one number."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, compute_dtype):
+    def forward(ctx, hidden, weight, bias, targets, compute_dtype, token_weights=None):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -66,11 +66,14 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             logits = _logits(hidden[chunk], weight, bias, compute_dtype)
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(logits.shape[0], device=logits.device)
-            total += (lse - logits[rows, targets[chunk]]).sum()
+            losses = lse - logits[rows, targets[chunk]]
+            total += (losses * token_weights[chunk]).sum() if token_weights is not None else losses.sum()
             if not (want_hidden or want_weight or want_bias):
                 continue
             grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad_logits[rows, targets[chunk]] -= 1.0
+            if token_weights is not None:
+                grad_logits.mul_(token_weights[chunk, None])
             if want_hidden:
                 grad_hidden[chunk] = (grad_logits.to(compute_dtype) @ weight.to(compute_dtype)).to(hidden.dtype)
             if want_weight:
@@ -84,19 +87,24 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads = tuple(g * grad_total.to(g.dtype) if g is not None else None for g in ctx.saved_tensors)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
-def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
+                     row_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over target tokens of the cross-entropy of predicting labels[:, t + 1] at position t, from the
-    final hidden states, without full-vocabulary logits (0-dim, fp32, differentiable)."""
+    final hidden states, without full-vocabulary logits (0-dim, fp32, differentiable). `row_weights`: each
+    row's tokens weighted by its value (a sequence-level objective's gradient, see preference.py)."""
     targets = _shifted_targets(labels)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     compute_dtype = _compute_dtype(hidden, head)
+    token_weights = None
+    if row_weights is not None:
+        token_weights = row_weights.float().repeat_interleave(labels.shape[1]).index_select(0, positions)
     with torch.autocast(hidden.device.type, enabled=False):  # the Function picks its matmul dtype itself
         return _ChunkedCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions),
                                              head.weight, head.bias, targets.index_select(0, positions),
-                                             compute_dtype)
+                                             compute_dtype, token_weights)
 
 
 @torch.no_grad()
@@ -121,8 +129,9 @@ def output_projection(model) -> torch.nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"training.loss_impl=chunked needs a Linear output projection, found {type(head).__name__}; "
-                        "use training.loss_impl=plain")
+        raise TypeError(f"training.loss_impl=chunked needs a plain torch.nn.Linear output projection, found "
+                        f"{type(head).__module__}.{type(head).__name__} (LoRA on lm_head?); remove lm_head from "
+                        "lora.target_modules or use training.loss_impl=plain")
     return head
 
 
@@ -148,10 +157,37 @@ class TokenLoss:
                 if labels is None:
                     return plain_forward(hidden)
                 if torch.is_grad_enabled():  # training: the loss sum (with its gradients)
-                    return chunked_loss_sum(hidden, self.head, labels)
+                    return self._training_head(hidden, labels)
                 return chunked_token_losses(hidden, self.head, labels)  # evaluation: per-token losses
 
             self.head.forward = forward
+
+    unit_name = "target_tokens"  # what the loss is averaged over (the loop's normalisation)
+
+    def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What lm_head returns in training: the micro-batch's summed loss, differentiable."""
+        return chunked_loss_sum(hidden, self.head, labels)
+
+    def units(self, batch: dict) -> torch.Tensor:
+        """How many items the micro-batch's loss sums over (target tokens; pairs for preference tuning)."""
+        return count_targets(batch)
+
+    def window_metrics(self, accelerator) -> dict:
+        """Objective-specific metrics for a log line (collective where non-empty; SFT has none)."""
+        return {}
+
+    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
+        """[dataset rows, k] sums for evaluation of eval set `split`: (loss sum, target tokens) per row."""
+        return _per_row_sums(self.token_losses(model, batch), batch["labels"][:, 1:], batch)
+
+    def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
+        mixture (a single source's set is just "eval"), from each set's summed eval_rows."""
+        loss = sum(float(s[0]) for s in sums.values()) / max(sum(float(s[1]) for s in sums.values()), 1.0)
+        record = {"eval_loss": loss}
+        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
+                       if name != "eval"})
+        return record
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
@@ -179,3 +215,15 @@ class TokenLoss:
             return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:],
                                                      ignore_index=IGNORE_INDEX, reduction="none")
         return self._chunked(model, batch)[:, :-1]
+
+
+def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(loss sum, target count) per dataset row, whether the rows came padded side by side or flattened into
+    one row (flash-attention packing): gather_for_metrics drops duplicated rows by counting dataset rows."""
+    targets = (labels != IGNORE_INDEX).to(per_token.dtype)
+    if per_token.shape[0] == batch[LENGTHS_KEY].shape[0]:
+        return torch.stack([per_token.sum(-1), targets.sum(-1)], dim=-1)
+    lengths = batch[LENGTHS_KEY]
+    row_of_label = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[1:]
+    sums = per_token.new_zeros(len(lengths), 2)
+    return sums.index_add_(0, row_of_label, torch.stack([per_token[0], targets[0]], dim=-1))

@@ -148,8 +148,9 @@ def throughput_setup(accelerator, recipe: Recipe, model):
     if hasattr(unwrapped, "get_base_model"):  # peft: the architecture is the base model's
         config = unwrapped.get_base_model().config
     _, trainable = count_parameters(unwrapped)
+    live_reference = recipe.training.objective == "dpo" and recipe.reference_mode() in ("adapters", "model")
     meter = FlopsMeter(shape_from_model(unwrapped, config), trainable if recipe.lora else None,
-                       recompute=recipe.model.gradient_checkpointing)
+                       recompute=recipe.model.gradient_checkpointing, reference_forward=live_reference)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.training.mixed_precision, torch.float32)
     peak, source = peak_flops(accelerator.device, dtype)
     accelerator.print(f"run: {meter.dense_per_token / 1e6:.2f} MFLOPs/token (dense); MFU against "

@@ -77,9 +77,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 
 class FlopsMeter:
-    def __init__(self, shape: ModelShape, trainable_params: int | None, recompute: bool = False):
+    def __init__(self, shape: ModelShape, trainable_params: int | None, recompute: bool = False,
+                 reference_forward: bool = False):
         """`trainable_params` for LoRA (frozen weights: 4 FLOPs/weight/token instead of 6), None for full;
-        `recompute`: activation checkpointing runs the forward pass twice (counted in HFU, not in MFU)."""
+        `recompute`: activation checkpointing runs the forward pass twice (counted in HFU, not in MFU);
+        `reference_forward`: preference tuning with a live reference runs one more forward per micro-batch
+        (model FLOPs: the step really computes it)."""
         if trainable_params is None:
             self.dense_per_token = 6.0 * shape.matmul_params
         else:
@@ -87,18 +90,26 @@ class FlopsMeter:
         self.attention_coefficient = 12.0 * shape.layers * shape.heads * shape.head_dim
         self.forward_dense_per_token = 2.0 * shape.matmul_params
         self.recompute = recompute
+        self.reference_forward = reference_forward
 
     def batch_flops(self, batch: dict) -> torch.Tensor:
         """Model FLOPs (what MFU counts) of one micro-batch."""
-        return (self.dense_per_token * batch[LENGTHS_KEY].sum().double()
-                + self.attention_coefficient * batch[SQUARES_KEY].sum().double())
+        flops = (self.dense_per_token * batch[LENGTHS_KEY].sum().double()
+                 + self.attention_coefficient * batch[SQUARES_KEY].sum().double())
+        if self.reference_forward:
+            flops = flops + self._forward_flops(batch)
+        return flops
+
+    def _forward_flops(self, batch: dict) -> torch.Tensor:
+        """One forward pass: 2 FLOPs per weight per token, a third of the attention term."""
+        return (self.forward_dense_per_token * batch[LENGTHS_KEY].sum().double()
+                + self.attention_coefficient / 3 * batch[SQUARES_KEY].sum().double())
 
     def recompute_flops(self, batch: dict) -> torch.Tensor:
         """Extra hardware FLOPs of re-running the forward pass (a third of the attention term)."""
         if not self.recompute:
             return torch.zeros((), dtype=torch.float64, device=batch[LENGTHS_KEY].device)
-        return (self.forward_dense_per_token * batch[LENGTHS_KEY].sum().double()
-                + self.attention_coefficient / 3 * batch[SQUARES_KEY].sum().double())
+        return self._forward_flops(batch)
 
 
 MFU_BANDS = ((0.15, "problem"), (0.30, "normal"), (0.45, "good"), (0.55, "excellent"), (float("inf"), "near the limit"))

@@ -92,6 +92,32 @@ def sharegpt_records(n: int, seed: int) -> list[dict]:
     return out
 
 
+def preference_records(n: int, seed: int, messages: bool) -> list[dict]:
+    """{prompt, chosen, rejected}: the answer against a shouted one (upper case and "!", a style a 2-layer model
+    learns to avoid in a few dozen steps), or against words the prompt does not hold / a wrong count (only
+    learnable with the task itself), as strings or as message lists (one file holds one layout: Arrow columns
+    have one type)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        instruction, inp, answer = _task(rng)
+        prompt = f"{instruction} {inp}".strip()
+        if rng.random() < 0.9:
+            wrong = answer.upper() + "!"
+        elif answer.isdigit():
+            wrong = str(int(answer) + rng.randint(1, 3))
+        else:
+            unused = [w for w in WORDS if w not in (inp or answer).split()]
+            wrong = " ".join(rng.sample(unused, len(answer.split())))
+        if messages:
+            out.append({"prompt": [{"role": "user", "content": prompt}],
+                        "chosen": [{"role": "assistant", "content": answer}],
+                        "rejected": [{"role": "assistant", "content": wrong}]})
+        else:
+            out.append({"prompt": prompt, "chosen": answer, "rejected": wrong})
+    return out
+
+
 def text_records(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))} for _ in range(n)]
@@ -106,6 +132,8 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_chat.jsonl": chat_records(500, seed=2),
         "tiny_text.jsonl": text_records(500, seed=3),
         "tiny_sharegpt.jsonl": sharegpt_records(300, seed=4),
+        "tiny_dpo.jsonl": preference_records(800, seed=5, messages=True),
+        "tiny_dpo_eval.jsonl": preference_records(64, seed=6, messages=False),
     }
     written = []
     for name, records in files.items():

@@ -176,7 +176,7 @@ def test_flattened_packed_batch_has_the_same_loss_targets_and_eval_rows(tiny_mod
     from transformers import AutoModelForCausalLM
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
-    from disttrain.loop import _per_row_sums
+    from disttrain.loss import _per_row_sums
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
     _, rows = _two_packed_rows(tokenizer)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from disttrain.data import Collator
+from disttrain.data import Collator, count_targets
 from disttrain.flops import ModelShape
 from disttrain.throughput import FlopsMeter, measured_peak, mfu_band, table_peak
 
@@ -79,7 +79,7 @@ def test_mfu_over_100_percent_is_flagged(peak, suspect):
     shape = ModelShape(params=1000, matmul_params=800, layers=2, heads=4, head_dim=8, hidden=32, vocab=50)
     window = _Window(torch.device("cpu"), FlopsMeter(shape, None), peak_flops=peak)
     batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
-    window.add_micro(torch.tensor(1.5), batch)
+    window.add_micro(torch.tensor(1.5), count_targets(batch), batch)
     window.steps = 1
     record = window.summarize(_OneProcess())
     assert (record["mfu"] > 1.0) is suspect
@@ -93,7 +93,8 @@ def test_time_spent_apart_from_training_is_not_in_throughput():
     from disttrain.loop import _Window
 
     window = _Window(torch.device("cpu"))
-    window.add_micro(torch.tensor(1.5), Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]))
+    batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
+    window.add_micro(torch.tensor(1.5), count_targets(batch), batch)
     window.steps = 1
     result, took = window.timed_apart(lambda: time.sleep(0.3) or "saved")
     record = window.summarize(_OneProcess())

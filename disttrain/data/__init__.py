@@ -7,6 +7,7 @@
     packing.py     packing examples into rows; concat-and-chunk for continued pretraining
     collation.py   rows -> batches (padding, flash-attention layout, bookkeeping for the loop)
     pipeline.py    the whole path, run on the main process first
+    preference.py  {prompt, chosen, rejected} pairs: tokenised with truncation, batched side by side (DPO)
     streaming.py   data.streaming: the same path lazily, per rank, with the stream position in checkpoints
 
 Labels are -100 on every token the model should not learn to produce (prompts, system text, tool results,
@@ -17,11 +18,13 @@ from disttrain.data.collation import (BOOKKEEPING_KEYS, LENGTHS_KEY, SQUARES_KEY
                                       flattens_packed_rows, make_loader)
 from disttrain.data.packing import chunk_documents, pack_rows
 from disttrain.data.pipeline import DataReport, build_datasets, prepare, tokenize_record
+from disttrain.data.preference import PAIR_INDEX, PairCollator
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
 from disttrain.data.templates import IGNORE_INDEX, render_and_label
 
-__all__ = ["BOOKKEEPING_KEYS", "IGNORE_INDEX", "LENGTHS_KEY", "SQUARES_KEY", "Collator", "DataReport",
+__all__ = ["BOOKKEEPING_KEYS", "IGNORE_INDEX", "LENGTHS_KEY", "PAIR_INDEX", "SQUARES_KEY", "Collator", "DataReport",
+           "PairCollator",
            "build_datasets", "chunk_documents", "count_targets", "flattens_packed_rows", "load_split",
            "make_loader", "pack_rows", "prepare", "render_and_label", "shards_note", "StreamLoader", "stream_rows", "tokenize_record",
            "validate_local_file"]

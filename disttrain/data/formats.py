@@ -5,6 +5,9 @@
     sharegpt   {"conversations": [{"from", "value"}], "tools"?, "system"?}     (from: human/gpt/system/
                function_call/observation, more through the source's `roles`)
     text       {"text"}
+    preference {"prompt", "chosen", "rejected"}: strings, or message lists (chat template applied; only the
+               responses are scored); without "prompt", chosen and rejected are whole conversations and the
+               prompt is what they share (Anthropic HH, UltraFeedback layouts)
 
 Field names are the defaults; a source's `columns` maps them to its dataset's own. A source's
 `system_prompt` is added to conversations that have no system message. Errors are raised as DataError
@@ -121,9 +124,54 @@ def _text(record, source) -> str:
     return str(_field(record, source, "text"))
 
 
-_READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text}
+@dataclass
+class PreferencePair:
+    """One preference record: the prompt's messages and each response's messages (assistant turns)."""
+
+    prompt: list[dict]
+    chosen: list[dict]
+    rejected: list[dict]
+    tools: list[dict] | None = None
 
 
-def to_example(record: Mapping, source: SourceSection) -> Conversation | str:
-    """The record as a conversation (alpaca, chat, sharegpt) or a document (text)."""
+def _turns(value, key: str, default_role: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": default_role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{key!r} must be a string or a non-empty list of messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES:
+            raise DataError(f"{key!r}: message {i} needs a 'role' among {', '.join(ROLES)}")
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise DataError(f"{key!r}: message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
+    return [dict(m) for m in value]
+
+
+def _preference(record, source) -> PreferencePair:
+    keys = {name: column(source, name) for name in ("prompt", "chosen", "rejected")}
+    chosen = _turns(_field(record, source, "chosen"), keys["chosen"], "assistant")
+    rejected = _turns(_field(record, source, "rejected"), keys["rejected"], "assistant")
+    raw_prompt = _field(record, source, "prompt", required=False)
+    if raw_prompt is None:  # whole conversations: the prompt is their common beginning
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not prompt:
+            raise DataError(f"no {keys['prompt']!r} field, and {keys['chosen']!r} and {keys['rejected']!r} share no "
+                            "opening messages to use as the prompt")
+    else:
+        prompt = _turns(raw_prompt, keys["prompt"], "user")
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" for m in turns):
+            raise DataError(f"{keys[name]!r} has no assistant message to score")
+    tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
+    return PreferencePair(_with_system(prompt, source.system_prompt), chosen, rejected, tools)
+
+
+_READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text, "preference": _preference}
+
+
+def to_example(record: Mapping, source: SourceSection) -> Conversation | str | PreferencePair:
+    """The record as a conversation (alpaca, chat, sharegpt), a document (text) or a preference pair."""
     return _READERS[source.format](record, source)

@@ -14,6 +14,7 @@ from disttrain.config import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import DocumentChunker, pack_rows
+from disttrain.data.preference import PAIR_INDEX, tokenize_pairs
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
 from disttrain.errors import DataError
@@ -55,13 +56,17 @@ def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> 
 def tokenize_batch(records: list, tokenizer, section: DataSection, source: SourceSection, where=None) -> dict:
     """Records -> columns input_ids, labels (IGNORE_INDEX on non-targets), n_targets, n_tokens, truncated.
     Each conversation is rendered once; all texts of the batch go through one fast-tokenizer call.
+    Preference records give data.preference.PAIR_COLUMNS instead.
     `where(i)` names record i in an error (file:line or record index)."""
-    rendered = []
+    examples = []
     for i, record in enumerate(records):
         try:
-            rendered.append(render(to_example(record, source), tokenizer))
+            examples.append(to_example(record, source))
         except DataError as exc:
             raise DataError(f"{where(i) if where else f'record {i}'}: {exc}") from None
+    if source.format == "preference":
+        return tokenize_pairs(examples, tokenizer, section.max_seq_len)
+    rendered = [render(example, tokenizer) for example in examples]
     examples = [_example_fields(ids, labels, section) for ids, labels in tokenize_rendered(rendered, tokenizer)]
     return {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
 
@@ -156,6 +161,9 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
         report.tokens = len(rows) * section.max_seq_len
         report.target_tokens = column_sum(rows, "n_targets")
         rows = rows.remove_columns("n_targets")
+    elif parts[0].source.format == "preference":  # the pair's row, to look up precomputed reference log-probs
+        rows = rows.map(lambda _, indices: {PAIR_INDEX: indices}, with_indices=True, batched=True,
+                        batch_size=MAP_BATCH, desc=f"indexing {name}")
     elif section.packing:
         if section.shuffle:
             rows = rows.shuffle(seed=seed)  # mix lengths before packing; the loader reshuffles rows

@@ -1,0 +1,119 @@
+"""Preference pairs -> token rows, and pairs -> batches.
+
+Each response is rendered with its prompt as one conversation (the chat template applied once, as for SFT)
+and only the response's assistant tokens are scored (its end-of-turn token included). Truncation to
+max_seq_len keeps the end of the prompt and the start of the responses: the responses get at least half of
+the row (or all they need), the prompt the rest, cut from its beginning; chosen and rejected lose the same
+prompt tokens. A pair left without a scored token on either side is dropped and counted.
+
+A batch of n pairs is 2n rows: the n chosen responses, then the n rejected ones, so both sides of a pair are
+always in the same micro-batch. `PAIR_INDEX` (the pair's row in the training set) lets precomputed
+reference log-probs be looked up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from disttrain.data.collation import LENGTHS_KEY, SQUARES_KEY
+from disttrain.data.formats import Conversation, PreferencePair
+from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
+
+PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "n_targets",
+                "n_tokens", "truncated")
+PAIR_INDEX = "pair_index"
+
+
+def _last_runs(labels: list[int], keep: int) -> list[int]:
+    """Only the last `keep` runs of targets (a template with generation markers labels every assistant turn)."""
+    runs, inside = [], False
+    for i, label in enumerate(labels):
+        if label != IGNORE_INDEX and not inside:
+            runs.append(i)
+        inside = label != IGNORE_INDEX
+    if len(runs) <= keep:
+        return labels
+    start = runs[-keep]
+    return [IGNORE_INDEX] * start + labels[start:]
+
+
+def _rendered(pair: PreferencePair, response: list[dict], tokenizer):
+    rendered = render(Conversation(pair.prompt + response, pair.tools), tokenizer)
+    scored = sum(1 for m in response if m["role"] == "assistant")
+    if rendered.text is not None:
+        rendered.spans = rendered.spans[-scored:]  # the prompt's own assistant turns are context, not scored
+    else:
+        rendered.labels = _last_runs(rendered.labels, scored)
+    return rendered
+
+
+def _prompt_length(labels: list[int]) -> int:
+    return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+
+
+def _targets(labels: list[int]) -> int:
+    return len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
+
+
+def truncate_pair(chosen: tuple[list, list], rejected: tuple[list, list], max_len: int):
+    """(chosen, rejected, truncated): both sequences at most max_len, keeping the prompt's end and the
+    responses' start."""
+    if max(len(chosen[0]), len(rejected[0])) <= max_len:
+        return chosen, rejected, False
+    prompts = [_prompt_length(labels) for _, labels in (chosen, rejected)]
+    longest_response = max(len(ids) - p for (ids, _), p in zip((chosen, rejected), prompts))
+    response_budget = min(longest_response, max(max_len - max(prompts), max_len // 2))
+    prompt_budget = max_len - response_budget
+    cut = []
+    for (ids, labels), p in zip((chosen, rejected), prompts):
+        drop = max(p - prompt_budget, 0)  # from the prompt's beginning
+        end = p + response_budget
+        cut.append((ids[drop:end], labels[drop:end]))
+    return cut[0], cut[1], True
+
+
+def tokenize_pairs(pairs: list[PreferencePair], tokenizer, max_len: int) -> dict:
+    """Columns PAIR_COLUMNS for a batch of pairs; every text goes through one fast-tokenizer call."""
+    rendered = [_rendered(p, side, tokenizer) for p in pairs for side in (p.chosen, p.rejected)]
+    encoded = tokenize_rendered(rendered, tokenizer)
+    columns = {key: [] for key in PAIR_COLUMNS}
+    for i in range(len(pairs)):
+        chosen, rejected, truncated = truncate_pair(encoded[2 * i], encoded[2 * i + 1], max_len)
+        columns["chosen_input_ids"].append(chosen[0])
+        columns["chosen_labels"].append(chosen[1])
+        columns["rejected_input_ids"].append(rejected[0])
+        columns["rejected_labels"].append(rejected[1])
+        # a pair counts only when both sides keep a scored token (the minimum says so; the report sums both)
+        both = (_targets(chosen[1]), _targets(rejected[1]))
+        columns["n_targets"].append(sum(both) if min(both) > 0 else 0)
+        columns["n_tokens"].append(len(chosen[0]) + len(rejected[0]))
+        columns["truncated"].append(truncated)
+    return columns
+
+
+@dataclass
+class PairCollator:
+    """n pair rows -> 2n right-padded sequences (chosen first, then rejected) with an attention_mask, the
+    loop's bookkeeping per sequence, and each pair's PAIR_INDEX."""
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        sequences = [(r[f"{side}_input_ids"], r[f"{side}_labels"]) for side in ("chosen", "rejected") for r in rows]
+        longest = max(len(ids) for ids, _ in sequences)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = {"input_ids": [], "labels": [], "attention_mask": [], LENGTHS_KEY: [], SQUARES_KEY: []}
+        for ids, labels in sequences:
+            pad = longest - len(ids)
+            batch["input_ids"].append(list(ids) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(labels) + [IGNORE_INDEX] * pad)
+            batch["attention_mask"].append([1] * len(ids) + [0] * pad)
+            batch[LENGTHS_KEY].append(len(ids))
+            batch[SQUARES_KEY].append(len(ids) ** 2)
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out[PAIR_INDEX] = torch.tensor([r.get(PAIR_INDEX, -1) for r in rows], dtype=torch.long)
+        return out
