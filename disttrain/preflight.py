@@ -26,7 +26,7 @@ from disttrain.metrics import read_metrics
 
 MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
-             "sharegpt": "data/tiny_sharegpt.jsonl"}
+             "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl"}
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
 

@@ -168,10 +168,12 @@ def test_pairs_stay_together_and_truncation_keeps_prompt_end_and_response_start(
 
 def test_preference_data_formats_drops_and_errors(tmp_path, tokenizer):
     path = tmp_path / "pairs.jsonl"
-    pairs = [  # whole conversations without a prompt field: the shared opening is the prompt
-        {"chosen": [{"role": "user", "content": "Repeat the words. apple"}, {"role": "assistant", "content": "apple"}],
+    pairs = [  # whole conversations: the shared opening is the prompt (UltraFeedback's own prompt field ignored)
+        {"prompt": "Repeat the words. apple",
+         "chosen": [{"role": "user", "content": "Repeat the words. apple"}, {"role": "assistant", "content": "apple"}],
          "rejected": [{"role": "user", "content": "Repeat the words. apple"}, {"role": "assistant", "content": "APPLE!"}]},
-        {"chosen": [{"role": "user", "content": "apple " * 80}, {"role": "assistant", "content": "x"}],
+        {"prompt": "apple " * 80,
+         "chosen": [{"role": "user", "content": "apple " * 80}, {"role": "assistant", "content": "x"}],
          "rejected": [{"role": "user", "content": "apple " * 80}, {"role": "assistant", "content": "y"}]}]
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     train, _, reports = build_datasets(DataSection(path=str(path), format="preference", max_seq_len=32), tokenizer, 0,
@@ -181,7 +183,7 @@ def test_preference_data_formats_drops_and_errors(tmp_path, tokenizer):
     assert max(len(ids) for ids in train["rejected_input_ids"]) <= 32
     row = train[0]
     assert tokenizer.decode([t for t in row["chosen_labels"] if t != IGNORE_INDEX]) == "apple<|im_end|>"
-    assert "Repeat the words. apple" in tokenizer.decode(row["rejected_input_ids"])
+    assert tokenizer.decode(row["rejected_input_ids"]).count("Repeat the words. apple") == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}) + "\n"
                    + json.dumps({"prompt": "x", "chosen": "a"}) + "\n")

@@ -18,6 +18,8 @@ SHIPPED = {
     "tiny/mix_sft.yaml": "fsdp",
     "tiny/cpt.yaml": "ddp",
     "qwen2.5-1.5b/cpt.yaml": "zero2",
+    "tiny/dpo.yaml": "zero3",  # precomputed reference log-probs under ZeRO-3, read back on resume
+    "qwen2.5-7b/dpo_lora.yaml": "ddp",  # reference = the base with the adapters disabled
 }
 
 

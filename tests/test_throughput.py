@@ -100,3 +100,14 @@ def test_time_spent_apart_from_training_is_not_in_throughput():
     record = window.summarize(_OneProcess())
     assert result == "saved" and took >= 0.3
     assert record["step_time_s"] < 0.2 and record["tokens_per_s"] > 3 / 0.2
+
+
+def test_a_live_dpo_reference_adds_one_forward_to_the_step_flops():
+    """DPO with a live reference (LoRA with the adapters disabled) runs one more forward per micro-batch: 2 FLOPs
+    per weight per token and a third of the attention term, on top of the policy's forward + backward."""
+    shape = ModelShape(params=1000, matmul_params=800, layers=2, heads=4, head_dim=8, hidden=32, vocab=50)
+    batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}])
+    plain, live = FlopsMeter(shape, 10), FlopsMeter(shape, 10, reference_forward=True)
+    attention = 12 * 2 * 4 * 8 * (9 + 4)
+    assert float(plain.batch_flops(batch)) == (4 * 800 + 6 * 10) * 5 + attention
+    assert float(live.batch_flops(batch)) == float(plain.batch_flops(batch)) + 2 * 800 * 5 + attention / 3

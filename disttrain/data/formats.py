@@ -6,8 +6,9 @@
                function_call/observation, more through the source's `roles`)
     text       {"text"}
     preference {"prompt", "chosen", "rejected"}: strings, or message lists (chat template applied; only the
-               responses are scored); without "prompt", chosen and rejected are whole conversations and the
-               prompt is what they share (Anthropic HH, UltraFeedback layouts)
+               responses are scored); when chosen and rejected are whole conversations (they open with the
+               user's turn), the prompt is what they share and a "prompt" field is ignored (Anthropic HH,
+               UltraFeedback layouts)
 
 Field names are the defaults; a source's `columns` maps them to its dataset's own. A source's
 `system_prompt` is added to conversations that have no system message. Errors are raised as DataError
@@ -152,7 +153,8 @@ def _preference(record, source) -> PreferencePair:
     chosen = _turns(_field(record, source, "chosen"), keys["chosen"], "assistant")
     rejected = _turns(_field(record, source, "rejected"), keys["rejected"], "assistant")
     raw_prompt = _field(record, source, "prompt", required=False)
-    if raw_prompt is None:  # whole conversations: the prompt is their common beginning
+    whole = chosen[0]["role"] != "assistant" and rejected[0]["role"] != "assistant"
+    if raw_prompt is None or whole:  # whole conversations (UltraFeedback repeats the prompt in a field of its own)
         shared = 0
         while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1

@@ -1,0 +1,141 @@
+"""Preference tuning under every strategy, launched as a user would: each strategy trains the model a single
+process trains (per-step loss, reward metrics, exported weights), full (precomputed reference) and LoRA (the
+adapters disabled as the reference); a stopped run resumes exactly and does not recompute the reference; the
+shipped tiny recipe learns its preference (accuracy above 0.9), with the metrics in metrics.jsonl and
+TensorBoard. Tolerances as in test_strategies.py (fp32: only summation order differs)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from disttrain.metrics import read_metrics
+
+pytestmark = pytest.mark.launch
+
+STEPS, STOP = 10, 5
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dpo") / "pairs.jsonl"
+    path.write_text("".join((REPO / "data/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:48]))
+    return path
+
+
+def recipe_for(tmp_path, model_dir, data, name, micro, lora, **output):
+    sections = dict(data={"path": str(data), "format": "preference", "max_seq_len": 64,
+                          "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl")},
+                    training={"objective": "dpo", "max_steps": STEPS, "micro_batch_size": micro, "grad_accum": 2,
+                              "lr": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "eval_every": 5},
+                    preference={"loss": "sigmoid", "beta": 0.5}, output=output)
+    if lora:
+        sections["lora"] = LORA
+    return write_recipe(tmp_path / f"{name}.yaml", base_recipe(model_dir, tmp_path / name, **sections))
+
+
+def lines(out, key):
+    return {r["step"]: r[key] for r in read_metrics(out) if key in r}
+
+
+def weights(out, lora):
+    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def assert_same(a, b, rel, atol, accuracy=True):
+    """Every logged metric equal. The accuracy counts margins > 0, which flips on rounding while the policy
+    still equals the reference (margins ~1e-7): compared only between runs of one strategy."""
+    keys = METRICS + ("eval_loss", "eval_rewards/margin") + (("eval_rewards/accuracy",) if accuracy else ())
+    for key in keys:
+        if key.endswith("accuracy") and not accuracy:
+            continue
+        la, lb = lines(a, key), lines(b, key)
+        assert sorted(la) == sorted(lb) and la, key
+        assert lb == pytest.approx(la, rel=rel, abs=atol), key
+
+
+def _single(tmp_path_factory, model_dir, pairs, lora):
+    tmp = tmp_path_factory.mktemp("single")
+    assert_ok(launch("single_gpu", recipe_for(tmp, model_dir, pairs, "ref", 2, lora), nproc=1))
+    return tmp / "ref"
+
+
+@pytest.fixture(scope="module")
+def single_full(tmp_path_factory, tiny_model_dir, pairs):
+    return _single(tmp_path_factory, tiny_model_dir, pairs, False)
+
+
+@pytest.fixture(scope="module")
+def single_lora(tmp_path_factory, tiny_model_dir, pairs):
+    return _single(tmp_path_factory, tiny_model_dir, pairs, True)
+
+
+def _matches_single(strategy, lora, ref, tmp_path, model_dir, pairs):
+    out = tmp_path / strategy
+    proc = launch(strategy, recipe_for(tmp_path, model_dir, pairs, strategy, 1, lora))
+    assert_ok(proc)
+    if not lora:
+        assert "reference log-probs of 112 pairs computed" in proc.stdout  # 48 training + 64 eval pairs
+    assert_same(ref, out, rel=1e-4, atol=1e-5, accuracy=False)
+    wa, wb = weights(ref, lora), weights(out, lora)
+    assert set(wa) == set(wb)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=1e-4, rtol=1e-3, msg=f"{strategy}: {key}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"])
+def test_full_dpo_matches_single_process(strategy, single_full, tmp_path, tiny_model_dir, pairs):
+    """Precomputed reference: one pass sharded across the ranks, gathered, then looked up per pair."""
+    _matches_single(strategy, False, single_full, tmp_path, tiny_model_dir, pairs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_lora_dpo_matches_single_process(strategy, single_lora, tmp_path, tiny_model_dir, pairs):
+    """Reference = the same wrapped model with the adapters disabled, under each strategy's wrapping."""
+    _matches_single(strategy, True, single_lora, tmp_path, tiny_model_dir, pairs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs):
+    ckpt = {"checkpoint_every": 3}
+    assert_ok(launch(strategy, recipe_for(tmp_path, tiny_model_dir, pairs, "a", 1, False, **ckpt)))
+    b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, **ckpt)
+    first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
+    assert_ok(first)
+    assert "computed with the initial weights" in first.stdout
+    second = launch(strategy, b)
+    assert_ok(second)
+    assert f"at step {STOP}/{STEPS}" in second.stdout
+    assert "reference log-probs read from" in second.stdout and "computed with the initial" not in second.stdout
+    assert_same(tmp_path / "a", tmp_path / "b", rel=1e-6, atol=1e-7)
+    wa, wb = weights(tmp_path / "a", False), weights(tmp_path / "b", False)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_tiny_dpo_recipe_learns_the_preference(tmp_path, tiny_model_dir):
+    """The shipped recipe as `make train-ddp` runs it: held-out reward accuracy above 0.9; every metric in
+    metrics.jsonl and in TensorBoard."""
+    import os
+    import subprocess
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import free_port
+
+    out = tmp_path / "run"
+    args = f"model.name_or_path={tiny_model_dir} output.dir={out}"
+    proc = subprocess.run(["make", "-s", "train-ddp", "GPUS=2", f"MASTER_PORT={free_port()}",
+                           "RECIPE=recipes/tiny/dpo.yaml", f"ARGS={args}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert_ok(proc)
+    evals = [r for r in read_metrics(out) if "eval_rewards/accuracy" in r]
+    assert evals[-1]["eval_rewards/accuracy"] > 0.9, evals
+    train_lines = [r for r in read_metrics(out) if "loss" in r]
+    assert train_lines[0]["rewards/accuracy"] < 0.8  # it was learned, not given
+    assert all(key in train_lines[-1] for key in METRICS + ("pairs",))
+    events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents*")).parent)).Reload()
+    assert {"rewards/accuracy", "rewards/margin", "logps/chosen", "eval_rewards/accuracy"} <= set(events.Tags()["scalars"])
+    assert (out / "final" / "model.safetensors").is_file()
