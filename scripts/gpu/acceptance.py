@@ -50,10 +50,10 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
 (imports, CUDA init, model load); DeepSpeed ~15-20 s. Per item (Item.estimate_s below):
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 40, _fsdp 45, _zero2 55, _zero3 60, streaming_resume 40 (3 launches each); lora_ddp 15,
-    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, packing_sdpa 35, packing_flash_attention_2 35
-    (a SKIP without flash-attn: ~2 s)                           396 s in all; 3 side by side: ~135-165 s
+    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 30, packing_sdpa 35, packing_flash_attention_2
+    35 (a SKIP without flash-attn: ~2 s)                        426 s in all; 3 side by side: ~145-175 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 60    ~180 s
-    total ~6.8 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
+    total ~7 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~9 min, so the last items would be SKIPped for the budget.
 CPU dry run here (2 cores): all CPU items ~1.9 min; the test's subset ~55 s.
 """
@@ -352,6 +352,32 @@ def adapter(ctx: Ctx, config: str, quantized: bool) -> tuple[str, str]:
     return PASS, f"{ctx.s.steps} steps, losses finite ({found[1]:.3f} -> {found[ctx.s.steps]:.3f}); adapter exported"
 
 
+def dpo(ctx: Ctx) -> tuple[str, str]:
+    """Preference tuning in bf16 on the GPU, both reference modes: LoRA (one no-grad forward with the adapters
+    disabled per micro-batch) and full fine-tuning (the precomputed pass); finite losses, the reward metrics
+    logged, the chunked preference gradient in bf16 autocast."""
+    from disttrain.launcher import REPO
+
+    data = {"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference", "packing": False,
+            "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": min(ctx.s.seq, 128)}
+    summary = []
+    for label, extra in (("lora", {"lora": LORA}), ("full", {})):
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, data=data, training={"objective": "dpo", "lr": 1e-4, "eval_every": ctx.s.steps},
+                      output={"save_final_model": False, "checkpoint_at_end": False}, **extra)
+        _, log = train(ctx, label, "single_gpu", tree)
+        found = require_finite_losses(run, ctx.s.steps, log)
+        last = [r for r in read_metrics(run) if "rewards/accuracy" in r][-1]
+        evals = [r for r in read_metrics(run) if "eval_rewards/accuracy" in r]
+        if not evals:
+            raise Fail(f"{label}: no evaluation line with eval_rewards/accuracy", log)
+        ctx.figures[label] = {"loss": [found[1], found[ctx.s.steps]], "rewards/accuracy": last["rewards/accuracy"],
+                              "eval_rewards/accuracy": evals[-1]["eval_rewards/accuracy"]}
+        summary.append(f"{label}: loss {found[1]:.3f} -> {found[ctx.s.steps]:.3f}, "
+                       f"eval accuracy {evals[-1]['eval_rewards/accuracy']:.2f}")
+    return PASS, "; ".join(summary)
+
+
 def adamw_8bit(ctx: Ctx) -> tuple[str, str]:
     ok, why = ctx.importable("bitsandbytes")
     if not ok:
@@ -537,6 +563,7 @@ ITEMS = [
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),
     Item("qlora_fsdp", partial(adapter, config="fsdp", quantized=True), 20, 60, False),
     Item("adamw_8bit", adamw_8bit, 15, 60, False),
+    Item("dpo", dpo, 30, 90, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
