@@ -42,7 +42,8 @@ def main(argv=None):
     from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, set_deepspeed_micro_batch,
                                     shards_weights)
     from disttrain.loss import TokenLoss
-    from disttrain.preference import PreferenceLoss, data_fingerprint, precompute_reference, reference_loaders
+    from disttrain.preference import (PreferenceLoss, data_fingerprint, live_reference, precompute_reference,
+                                      reference_loaders)
     from disttrain.metrics import MetricsLogger
 
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
@@ -121,7 +122,13 @@ def main(argv=None):
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
     flops_meter, peak = outputs.throughput_setup(accelerator, recipe, model)
 
-    # 6. Reference log-probs of a full-weight DPO run: one pass with the initial weights (read back on resume).
+    # 6. DPO's reference: log-probs from one pass with the initial weights (read back on resume), or a frozen
+    #    copy prepared for the same strategy (preference.reference: model).
+    if dpo and recipe.reference_mode() == "model":
+        guards.at("loading the frozen reference model (preference tuning)")
+        token_loss.attach_reference(*live_reference(accelerator, recipe, shards_weights(accelerator),
+                                                    accelerator.local_process_index if has_gpu() else None),
+                                    accelerator.autocast)
     if dpo and recipe.reference_mode() == "precomputed":
         guards.at("computing the reference log-probs (preference tuning)")
         token_loss.tables = precompute_reference(accelerator, model, token_loss,

@@ -258,9 +258,6 @@ class Recipe(_Section):
             raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
                              "training.loss_impl: plain")
         pref = self.preference
-        if pref.reference == "model":
-            raise ValueError("preference.reference: model (a live frozen copy) is not available yet: use precomputed "
-                             "(the same reference log-probs, computed once, one model in memory) or auto")
         if pref.reference_free() and pref.reference not in ("auto", "none"):
             raise ValueError(f"preference.loss: {pref.loss} is reference-free: set preference.reference: auto or none")
         if not pref.reference_free() and pref.reference == "none":

@@ -148,7 +148,17 @@ class PreferenceLoss(TokenLoss):
                 model.train(was_training)
             n = logps.shape[0] // 2
             return logps[:n], logps[n:]
-        raise DisttrainError(f"preference.reference: {self.reference} is not supported yet")
+        if self.reference == "model":
+            with torch.no_grad(), self._autocast():
+                logps = -self._reference_scorer._chunked(self._reference_model, batch)[:, :-1].sum(-1)
+            n = logps.shape[0] // 2
+            return logps[:n], logps[n:]
+        raise DisttrainError(f"preference.reference: {self.reference} is unknown")
+
+    def attach_reference(self, model, scorer: TokenLoss, autocast) -> None:
+        """preference.reference: model -- the frozen copy (prepared for the strategy), the TokenLoss that makes
+        its lm_head return per-token losses, and the accelerator's autocast for its forward."""
+        self._reference_model, self._reference_scorer, self._autocast = model, scorer, autocast
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         self._ref = self._reference_logps(model, batch)
@@ -260,3 +270,36 @@ def reference_loaders(accelerator, train_set, eval_sets: dict, eval_loaders: dic
 def data_fingerprint(train_set, eval_sets: dict) -> str:
     """The `datasets` fingerprints of the prepared splits: saved reference log-probs belong to these rows."""
     return ";".join(f"{name}:{ds._fingerprint}" for name, ds in {"train": train_set, **eval_sets}.items())
+
+
+def live_reference(accelerator, recipe, sharded: bool, local_device):
+    """preference.reference: model -- a frozen copy of the initial weights next to the policy, sharded the way
+    the policy is: FSDP2 through accelerate's own fsdp2_prepare_model, ZeRO-3 through a DeepSpeed inference
+    engine (no optimizer), otherwise whole on the device. Returns (model, scorer) for attach_reference."""
+    from accelerate.utils import DistributedType
+
+    from disttrain.modeling import load_model
+
+    spec = recipe.model.model_copy(update={"gradient_checkpointing": False})  # no backward through it
+    model = load_model(spec, None, sharded=sharded, local_device=local_device)
+    model.requires_grad_(False)
+    scorer = TokenLoss(model, "chunked")  # its lm_head returns per-token losses while labels are set on it
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model = fsdp2_prepare_model(accelerator, model)
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED and \
+            accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        model, *_ = deepspeed.initialize(model=model, config=config)
+    else:
+        model = model.to(accelerator.device)
+    model.eval()
+    return model, scorer

@@ -97,6 +97,22 @@ def test_lora_dpo_matches_single_process(strategy, single_lora, tmp_path, tiny_m
     _matches_single(strategy, True, single_lora, tmp_path, tiny_model_dir, pairs)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, single_full, tmp_path, tiny_model_dir,
+                                                                      pairs):
+    """preference.reference: model -- a frozen copy sharded like the policy (FSDP2 units, a ZeRO-3 inference
+    engine) scoring each micro-batch -- trains the single-process precomputed run's model."""
+    out = tmp_path / strategy
+    recipe = recipe_for(tmp_path, tiny_model_dir, pairs, strategy, 1, False)
+    proc = launch(strategy, recipe, overrides=["preference.reference=model"])
+    assert_ok(proc)
+    assert "reference log-probs" not in proc.stdout  # nothing precomputed
+    assert_same(single_full, out, rel=1e-4, atol=1e-5, accuracy=False)
+    wa, wb = weights(single_full, False), weights(out, False)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=1e-4, rtol=1e-3, msg=f"{strategy}: {key}")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs):
     ckpt = {"checkpoint_every": 3}
