@@ -150,6 +150,8 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             name = recipe.model.name_or_path
             seq_len = args.seq_len or recipe.data.max_seq_len
             micro = args.micro_batch or recipe.training.micro_batch_size
+            if recipe.training.objective == "dpo" and not args.micro_batch:
+                micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
             ckpt = ckpt or recipe.model.gradient_checkpointing
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             loss_impl = recipe.training.loss_impl
