@@ -71,13 +71,14 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2) -> subprocess.Popen:
+def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2,
+                 env: dict | None = None) -> subprocess.Popen:
     """`launch` in the background, to signal or kill its ranks; output goes to log_path (or is discarded)."""
     cmd = launch_command(config, nproc, "train.py", "--recipe", str(recipe_path))
     out = log_path.open("w") if log_path else subprocess.DEVNULL
     try:
         return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     finally:
         if log_path:
             out.close()

@@ -235,12 +235,15 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, 
     a = recipe(tmp_path, tiny_model_dir, small_data, "a")
     b = recipe(tmp_path, tiny_model_dir, small_data, "b")
     assert_ok(launch("ddp", a))
-    proc = start_launch("ddp", b)
+    # every save waits 3 s after its .tmp dir exists (tests/slow_save), so the kill lands inside it even on a
+    # loaded machine (a save of this tiny model takes milliseconds: a busy-wait could miss it)
+    proc = start_launch("ddp", b, env={"PYTHONPATH": str(REPO / "tests" / "slow_save"),
+                                       "DISTTRAIN_TEST_SAVE_DELAY_S": "3"})
     tmp = tmp_path / "b" / "checkpoints" / ".tmp-step-00000006"
     try:
         deadline = time.time() + 180
         while time.time() < deadline and not tmp.exists() and proc.poll() is None:
-            pass  # busy-wait: the save takes milliseconds
+            time.sleep(0.05)
     finally:
         kill_launch(proc)
     assert tmp.is_dir() and not (tmp / "manifest.json").exists(), "the kill did not land inside the save"
