@@ -19,6 +19,7 @@ NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
 ARGS        ?=
+RUN         ?=
 PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
 
@@ -48,7 +49,7 @@ LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data gpu-acceptance clean
+	test preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data report gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -63,6 +64,7 @@ help: ## list targets and variables
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
+	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs)"
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
 
@@ -118,6 +120,9 @@ bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same d
 
 bench-memory: setup ## loss memory, plain (full logits) vs chunked, per strategy, 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench_memory --nproc $(GPUS) $(ARGS)
+
+report: setup ## summary table of RUN (one or several output dirs), with their plots and model cards
+	$(PY) -m disttrain.report $(RUN)
 
 bench-data: tiny ## data preparation: ours vs one batched tokenizer pass, memory vs size, DDP time to first step -> bench/data/
 	$(PY) -m disttrain.bench_data $(ARGS)

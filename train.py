@@ -38,18 +38,22 @@ def main(argv=None):
 
     from accelerate.utils import set_seed
 
-    from disttrain import checkpoint, compat, data, loop, modeling, optim, outputs
-    from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, set_deepspeed_micro_batch,
-                                    shards_weights)
+    from disttrain import checkpoint, compat, data, hub, loop, modeling, optim, outputs
+    from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, run_label, set_deepspeed_micro_batch,
+                                    shards_weights, world_size)
     from disttrain.loss import TokenLoss
-    from disttrain.preference import (PreferenceLoss, data_fingerprint, live_reference, precompute_reference,
-                                      reference_loaders)
     from disttrain.metrics import MetricsLogger
+    from disttrain.preference import PreferenceLoss, prepare_reference
+    from disttrain.report import write_report
+    from disttrain.samples import build_sampler
 
     # 2. The distributed world, as the accelerate config describes it (impossible combinations stop here).
+    #    output.dir's {strategy} and {processes} are filled in: runs under other strategies do not collide.
+    recipe = recipe.for_launch(run_label(), world_size())
     strategy = launcher_strategy()
     compat.check(recipe, strategy, has_gpu())
     compat.check_trackers(recipe.logging.report_to)
+    hub.check_token(recipe.output.push_to_hub)  # before training, not after it
     compat.check_zero3_export(recipe, strategy)
     guards.warn_elastic_shared_store()  # torchrun restarts that would reconnect to dead workers
     guards.warn_short_shutdown_timeout()  # a preemption checkpoint the launcher would cut off after 30 s
@@ -118,23 +122,19 @@ def main(argv=None):
         model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
         assert len(train_loader) // cfg.grad_accum == per_epoch, "steps_per_epoch disagrees with accelerate's sharding"
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
+    if cfg.neftune_alpha:  # noisy embeddings while training (transformers' own hook; eval is untouched)
+        from transformers.integrations.neftune import activate_neftune
+
+        activate_neftune(model, cfg.neftune_alpha, accelerator)
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     outputs.describe_run(accelerator, recipe, model, strategy, per_epoch, total_steps)
     flops_meter, peak = outputs.throughput_setup(accelerator, recipe, model)
 
-    # 6. DPO's reference: log-probs from one pass with the initial weights (read back on resume), or a frozen
-    #    copy prepared for the same strategy (preference.reference: model).
-    if dpo and recipe.reference_mode() == "model":
-        guards.at("loading the frozen reference model (preference tuning)")
-        token_loss.attach_reference(*live_reference(accelerator, recipe, shards_weights(accelerator),
-                                                    accelerator.local_process_index if has_gpu() else None),
-                                    accelerator.autocast)
-    if dpo and recipe.reference_mode() == "precomputed":
-        guards.at("computing the reference log-probs (preference tuning)")
-        token_loss.tables = precompute_reference(accelerator, model, token_loss,
-                                                 reference_loaders(accelerator, train_set, eval_sets, eval_loaders,
-                                                                   cfg.micro_batch_size, collator),
-                                                 recipe.output.dir, data_fingerprint(train_set, eval_sets))
+    # 6. DPO's reference, before any update: log-probs of every pair with the initial weights (read back on
+    #    resume), or a frozen copy sharded like the policy; LoRA's is the policy with its adapters disabled.
+    if dpo:
+        guards.at("preparing the reference (preference tuning)")
+        prepare_reference(accelerator, recipe, model, token_loss, train_set, eval_sets, eval_loaders, collator)
 
     # 7. Resume: weights, optimizer, schedule, RNG and position exactly as they were saved.
     state = loop.TrainState()
@@ -145,6 +145,12 @@ def main(argv=None):
         if streaming:  # the stream continues where this rank's position was saved, without replaying it
             train_loader.load_state_dict(checkpoint.load_rank_state(resume_from, accelerator.process_index))
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{total_steps}")
+        if state.step >= total_steps and outputs.final_model_dir(recipe).is_dir():  # nothing left to do
+            accelerator.print(f"run complete: {recipe.output.dir} holds all {total_steps} steps and the exported model "
+                              f"({outputs.final_model_dir(recipe)}). To train again use another output.dir (or delete "
+                              "this one); to train longer raise training.max_steps or training.epochs")
+            accelerator.end_training()
+            return state
 
     # 8. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
     signal.signal(signal.SIGTERM, loop.request_stop)
@@ -154,10 +160,11 @@ def main(argv=None):
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,
                                            rank_state=train_loader.state_dict if streaming else None)
+    sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
-                       distributed=recipe.distributed, token_loss=token_loss)
+                       distributed=recipe.distributed, token_loss=token_loss, sampler=sampler)
     log.close()
     if state.step < total_steps:
         accelerator.print(f"stopped at step {state.step}/{total_steps}; checkpoint {checkpointer.last_saved}. "
@@ -165,15 +172,28 @@ def main(argv=None):
         accelerator.end_training()
         return state
 
-    # 9. Export a standard HF model dir (full weights, or the LoRA adapter).
+    # 9. What was learned, in one line: a prompt and the trained model's answer (generated by every rank).
+    if sampler is not None:
+        if not sampler.last:  # no evaluation ran
+            sampler(state.step)
+        if sampler.last:
+            accelerator.print(f"sample: {sampler.last[0]['prompt']!r} -> {sampler.last[0]['completion']!r}")
+
+    # 10. Export a standard HF model dir (full weights, or the LoRA adapter).
     if recipe.output.save_final_model:
         guards.at("exporting the final model", state.step)
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe), recipe.model,
                                 merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
+    if accelerator.is_main_process:  # model card (with the exported model) and plots, from the run's own files
+        written = write_report(recipe.output.dir)
+        accelerator.print(f"report: {', '.join(str(p) for p in written if p.name in ('overview.png', 'README.md'))}"
+                          f"  (again, or for several runs: make report RUN={recipe.output.dir})")
     guards.at("waiting for all ranks to finish", state.step)
     accelerator.wait_for_everyone()  # leave together: a rank tearing down early can abort a slower one
     accelerator.end_training()
+    if recipe.output.push_to_hub and accelerator.is_main_process:  # after the others left: no collective waits
+        accelerator.print(f"pushed to {hub.push(outputs.final_model_dir(recipe), recipe.output.push_to_hub)}")
     return state
 
 

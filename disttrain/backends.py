@@ -26,6 +26,18 @@ def launcher_strategy() -> str:
     return "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
 
 
+def run_label() -> str:
+    """The strategy as output.dir's {strategy} names it: single, ddp, fsdp, zero1, zero2, zero3."""
+    strategy = launcher_strategy()
+    if strategy == "deepspeed":
+        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
+    return strategy
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def has_gpu() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 

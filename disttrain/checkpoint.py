@@ -204,7 +204,8 @@ def check_shape(checkpoint: Path, current: RunShape) -> dict:
         raise CheckpointError(f"checkpoint {checkpoint} was written under {saved.strategy}, this run is "
                               f"{current.strategy}: continue that run with its own accelerate config "
                               f"({saved.strategy}), or train under {current.strategy} in a new directory "
-                              f"(output.dir={run_dir}-{current.strategy})")
+                              f"(output.dir={run_dir}-{current.strategy}, or put {{strategy}} in output.dir as the "
+                              "shipped recipes do)")
     if saved.world_size != current.world_size and current.strategy == "deepspeed":
         # DeepSpeed copies its conversion script next to the tag dir (accelerate's tag: pytorch_model/)
         script = next(iter(sorted(checkpoint.rglob("zero_to_fp32.py"))), None)

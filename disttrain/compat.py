@@ -102,8 +102,10 @@ def check_trackers(report_to: list[str]) -> None:
     """This machine has the recipe's trackers (accelerate only warns, and the run would log nowhere)."""
     import importlib.util
 
-    modules = {"wandb": "wandb", "tensorboard": "tensorboard"}
+    modules = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+    extras = {"wandb": "`make setup EXTRAS=test,tracking`", "tensorboard": "`make setup EXTRAS=test,tracking`",
+              "mlflow": "`make setup EXTRAS=test,mlflow`"}
     for tracker in report_to:
         if tracker in modules and importlib.util.find_spec(modules[tracker]) is None:
             raise DisttrainError(f"logging.report_to includes {tracker} but it is not installed: pip install "
-                                 f"{tracker} (or `make setup EXTRAS=test,tracking`), or remove it from report_to")
+                                 f"{tracker} (or {extras[tracker]}), or remove it from report_to")

@@ -151,6 +151,8 @@ class TrainingSection(_Section):
                                       "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
     compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
                           "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
+    neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of scale alpha / "
+                                        "sqrt(seq x hidden) on the input embeddings while training (5 is usual)")
     objective: Literal["sft", "dpo"] = Field("sft", description="sft: learn the targets; dpo: preference tuning "
                                              "on {prompt, chosen, rejected} pairs (the preference section)")
 
@@ -185,22 +187,63 @@ class LoraSection(_Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     modules_to_save: list[str] | None = None
     merge_on_export: bool = False
+    use_dora: bool = Field(False, description="DoRA: a learned magnitude per output feature on top of LoRA")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    init_lora_weights: bool | Literal["gaussian"] = Field(True, description="true: B = 0 (the adapter starts as "
+                                                            "a no-op); gaussian; false: random (tests only)")
+    rank_pattern: dict[str, int] = Field(default_factory=dict, description="per-module ranks, e.g. {down_proj: 8}")
+    alpha_pattern: dict[str, int] = Field(default_factory=dict, description="per-module alphas, like rank_pattern")
 
 
 class LoggingSection(_Section):
-    report_to: list[Literal["wandb", "tensorboard", "none"]] = ["none"]
+    report_to: list[Literal["wandb", "tensorboard", "mlflow", "none"]] = ["none"]
     every_steps: int = Field(10, ge=1)
     project: str = "disttrain"
     run_name: str | None = None
+    samples: int = Field(2, ge=0, description="prompts answered greedily at each evaluation (0: none)")
+    sample_tokens: int = Field(24, ge=1, description="tokens generated per sample")
+
+
+RUN_PLACEHOLDERS = ("strategy", "processes")
 
 
 class OutputSection(_Section):
-    dir: str
+    dir: str = Field(description="Where the run writes; {strategy} (single, ddp, fsdp, zero1/2/3) and {processes} "
+                     "are filled in at launch, so runs of the same recipe under other strategies or world sizes "
+                     "get their own directories")
     save_final_model: bool = True
     checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
     checkpoint_at_end: bool = True
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk")
     resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
+    push_to_hub: str | None = Field(None, description="a Hub repo id (org/name): the final model and its card are "
+                                    "uploaded at the end (a token is checked before training)")
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, value: str | None) -> str | None:
+        if value is not None and (value.count("/") != 1 or not all(value.split("/"))):
+            raise ValueError(f"{value!r} is not a Hub repo id: give org/name (or user/name)")
+        return value
+
+    @field_validator("dir")
+    @classmethod
+    def _known_placeholders(cls, value: str) -> str:
+        try:
+            value.format(**{name: name for name in RUN_PLACEHOLDERS})
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"{value!r}: only {{strategy}} and {{processes}} can be filled in ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _push_needs_the_model(self):
+        if self.push_to_hub and not self.save_final_model:
+            raise ValueError("output.push_to_hub uploads the final model: it needs output.save_final_model: true")
+        return self
+
+    def for_run(self, strategy: str, processes: int) -> str:
+        """The directory of this launch: the placeholders filled in."""
+        return self.dir.format(strategy=strategy, processes=processes)
 
 
 class DistributedSection(_Section):
@@ -266,6 +309,11 @@ class Recipe(_Section):
         if pref.reference == "model" and self.lora is not None:
             raise ValueError("preference.reference: model with LoRA would hold a second copy of the base model; "
                              "use auto (the base model with the adapters disabled is the reference)")
+
+    def for_launch(self, strategy: str, processes: int) -> Recipe:
+        """This recipe with output.dir's {strategy} and {processes} filled in for the running launch."""
+        output = self.output.model_copy(update={"dir": self.output.for_run(strategy, processes)})
+        return self.model_copy(update={"output": output})
 
     def reference_mode(self) -> str:
         """What the reference is in this run: none, adapters (LoRA: adapters disabled), precomputed, model."""

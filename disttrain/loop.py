@@ -204,7 +204,7 @@ class _Window:
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None) -> TrainState:
+          token_loss: TokenLoss | None = None, sampler=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
@@ -212,7 +212,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     checkpoint, so a resumed run's metrics continue without a seam. `flops_meter` and `peak_flops` add
     TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
     interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
-    transformers' plain loss from full logits).
+    transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
     """
     token_loss = token_loss or TokenLoss(model, "plain")
     ga = accelerator.gradient_accumulation_steps
@@ -269,10 +269,14 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             if replicas_every and state.step % replicas_every == 0:
                 window.timed_apart(lambda: guards.check_replicas(
                     accelerator, model, state.step, checkpointer.last_saved if checkpointer is not None else None))
-            if eval_loaders and cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
+            evaluation_due = cfg.eval_every and (state.step % cfg.eval_every == 0 or last)
+            if eval_loaders and evaluation_due:
                 guards.at("evaluation", step)
                 evaluated, took = window.timed_apart(lambda: evaluate_all(accelerator, model, eval_loaders, token_loss))
                 log({**evaluated, "eval_time_s": took}, state.step)
+            if sampler is not None and evaluation_due:
+                guards.at("sample generations (every rank, same steps)", step)
+                window.timed_apart(lambda: sampler(state.step))
             if save:
                 guards.at("saving a checkpoint", step)
                 _, took = window.timed_apart(lambda: checkpointer.save(state))

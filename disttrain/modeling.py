@@ -67,7 +67,8 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=lora.target_modules, modules_to_save=lora.modules_to_save,
-                        task_type="CAUSAL_LM")
+                        use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
+                        rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
     return get_peft_model(model, config)

@@ -108,12 +108,30 @@ def _preparation_per_rank(accelerator, train_report) -> list[dict]:
     return per_rank
 
 
+RUN_FILE = "run.json"
+
+
 def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int) -> None:
+    """The one-screen run summary, and the same facts in <output.dir>/run.json (for the report and card)."""
+    import json
+    import platform
+
+    import torch
+
     from disttrain.modeling import count_parameters
 
     total, trainable = count_parameters(accelerator.unwrap_model(model))
     t = recipe.training
     global_batch = t.micro_batch_size * t.grad_accum * accelerator.num_processes
+    if accelerator.is_main_process:
+        device = accelerator.device
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+        facts = {"strategy": strategy, "distributed_type": accelerator.distributed_type.value,
+                 "processes": accelerator.num_processes, "device": device.type, "device_name": device_name,
+                 "mixed_precision": t.mixed_precision, "params": total, "trainable_params": trainable,
+                 "global_batch": global_batch, "total_steps": total_steps, "objective": t.objective,
+                 "torch": torch.__version__}
+        (Path(recipe.output.dir) / RUN_FILE).write_text(json.dumps(facts, indent=1))
     accelerator.print(
         f"run: strategy={strategy} distributed_type={accelerator.distributed_type.value} "
         f"processes={accelerator.num_processes} device={accelerator.device} mixed_precision={t.mixed_precision} "
@@ -131,7 +149,7 @@ def tracker_config(recipe: Recipe) -> dict:
 
 
 def tracker_init_kwargs(recipe: Recipe) -> dict:
-    name = recipe.logging.run_name or Path(recipe.output.dir).name
+    name = recipe.logging.run_name or "-".join(Path(recipe.output.dir).parts[-2:])  # e.g. tiny-sft-ddp-2
     return {"wandb": {"name": name}}
 
 

@@ -89,8 +89,8 @@ class PreferenceLoss(TokenLoss):
         self.tables: dict[str, torch.Tensor] = {}  # precomputed: per split ("train", eval sets), [pairs, 2]
         self.split = "train"  # whose precomputed table the next micro-batches use
         self._ref: tuple[torch.Tensor, torch.Tensor] | None = None  # this micro-batch's, set before the forward
-        self._last: torch.Tensor | None = None  # this micro-batch's per-pair stats, set by the forward
-        self._window: torch.Tensor | None = None  # per-pair stats summed since the last log line
+        self._last: torch.Tensor | None = None  # this micro-batch's [pairs, STATS + count], set by the forward
+        self._window: torch.Tensor | None = None  # their sums since the last log line
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
@@ -102,13 +102,13 @@ class PreferenceLoss(TokenLoss):
     # ---- the loss, inside lm_head's forward ----
 
     def _losses_from_logps(self, logps: torch.Tensor, labels: torch.Tensor):
-        """(losses, stats [pairs, 5]) from the per-sequence log-probs of [chosen..., rejected...]."""
+        """(losses, stats [pairs, STATS + 1]) from the per-sequence log-probs of [chosen..., rejected...]."""
         tokens = _response_tokens(labels)
         n = logps.shape[0] // 2
         ref = self._ref if self._ref is not None else (None, None)
         losses, reward_c, reward_r = pair_losses(self.cfg, logps[:n], logps[n:], tokens[:n], tokens[n:], *ref)
         stats = torch.stack([reward_c, reward_r, (reward_c > reward_r).float(), logps[:n].detach(),
-                             logps[n:].detach()], dim=1)
+                             logps[n:].detach(), torch.ones_like(reward_c)], dim=1)  # STATS, then a pair count
         return losses, stats
 
     def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -163,17 +163,15 @@ class PreferenceLoss(TokenLoss):
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         self._ref = self._reference_logps(model, batch)
         loss = self._chunked(model, batch) / num_items_in_batch
-        stats = self._last.sum(0)
+        stats = self._last.double().sum(0)  # stays on the device until a log line
         self._window = stats if self._window is None else self._window + stats
-        self._window_pairs = getattr(self, "_window_pairs", 0) + self._last.shape[0]
         return loss
 
     def window_metrics(self, accelerator) -> dict:
-        sums = self._window if self._window is not None else torch.zeros(len(STATS), device=accelerator.device)
-        local = torch.cat([sums.double(), torch.tensor([float(getattr(self, "_window_pairs", 0))],
-                                                       device=sums.device, dtype=torch.float64)])
+        """Means over the pairs of all ranks since the last log line (one all-reduce)."""
+        local = self._window if self._window is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
         total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
-        self._window, self._window_pairs = None, 0
+        self._window = None
         pairs = max(float(total[-1]), 1.0)
         record = {name: float(value) / pairs for name, value in zip(STATS, total[:-1])}
         record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
@@ -236,10 +234,11 @@ def precompute_reference(accelerator, model, objective: PreferenceLoss, loaders:
         with safe_open(str(path), "pt") as f:
             saved, tables = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
         sizes = {name: pairs for name, (_, pairs) in loaders.items()}
-        if saved.get("fingerprint") != fingerprint or {k: v.shape[0] for k, v in tables.items()} != sizes:
-            raise DisttrainError(f"{path} holds reference log-probs of other data ({ {k: v.shape[0] for k, v in tables.items()} } "
-                                 f"pairs, fingerprint {saved.get('fingerprint')}; this run: {sizes}, {fingerprint}): "
-                                 "delete it to recompute them, or use a new output.dir")
+        saved_sizes = {name: table.shape[0] for name, table in tables.items()}
+        if saved.get("fingerprint") != fingerprint or saved_sizes != sizes:
+            raise DisttrainError(f"{path} holds reference log-probs of other data ({saved_sizes} pairs, fingerprint "
+                                 f"{saved.get('fingerprint')}; this run: {sizes}, {fingerprint}): delete it to "
+                                 "recompute them, or use a new output.dir")
         accelerator.print(f"preference: reference log-probs read from {path} (not recomputed)")
         return tables
     model.eval()
@@ -303,3 +302,22 @@ def live_reference(accelerator, recipe, sharded: bool, local_device):
         model = model.to(accelerator.device)
     model.eval()
     return model, scorer
+
+
+def prepare_reference(accelerator, recipe, model, objective: PreferenceLoss, train_set, eval_sets: dict,
+                      eval_loaders: dict, collator) -> None:
+    """The run's reference (recipe.reference_mode()): a frozen copy attached to the objective (`model`), or
+    the precomputed log-probs of every pair (`precomputed`, read back on resume); nothing to do for the
+    adapters-off reference (LoRA) and the reference-free losses."""
+    from disttrain.backends import has_gpu, shards_weights
+
+    mode = recipe.reference_mode()
+    if mode == "model":
+        local_device = accelerator.local_process_index if has_gpu() else None
+        objective.attach_reference(*live_reference(accelerator, recipe, shards_weights(accelerator), local_device),
+                                   accelerator.autocast)
+    elif mode == "precomputed":
+        loaders = reference_loaders(accelerator, train_set, eval_sets, eval_loaders,
+                                    recipe.training.micro_batch_size, collator)
+        objective.tables = precompute_reference(accelerator, model, objective, loaders, recipe.output.dir,
+                                                data_fingerprint(train_set, eval_sets))

@@ -24,7 +24,6 @@ from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
 from disttrain.data.templates import IGNORE_INDEX, render_and_label
 
 __all__ = ["BOOKKEEPING_KEYS", "IGNORE_INDEX", "LENGTHS_KEY", "PAIR_INDEX", "SQUARES_KEY", "Collator", "DataReport",
-           "PairCollator",
-           "build_datasets", "chunk_documents", "count_targets", "flattens_packed_rows", "load_split",
-           "make_loader", "pack_rows", "prepare", "render_and_label", "shards_note", "StreamLoader", "stream_rows", "tokenize_record",
-           "validate_local_file"]
+           "PairCollator", "StreamLoader", "build_datasets", "chunk_documents", "count_targets", "flattens_packed_rows",
+           "load_split", "make_loader", "pack_rows", "prepare", "render_and_label", "shards_note", "stream_rows",
+           "tokenize_record", "validate_local_file"]

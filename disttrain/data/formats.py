@@ -67,17 +67,23 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     return messages
 
 
-def _check_messages(messages, key: str) -> list[dict]:
+def _valid_messages(messages, key: str, expected: str = "a non-empty list of messages", where: str = "") -> list:
+    """Copies of the messages, each with a known role and content (or tool calls); `where` prefixes errors."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{key!r} must be a non-empty list of messages")
+        raise DataError(f"{key!r} must be {expected}")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
-            raise DataError(f"message {i} needs a 'role' among {', '.join(ROLES)}")
+            raise DataError(f"{where}message {i} needs a 'role' among {', '.join(ROLES)}")
         if m.get("content") is None and not m.get("tool_calls"):
-            raise DataError(f"message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
+            raise DataError(f"{where}message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
+    return [dict(m) for m in messages]
+
+
+def _check_messages(messages, key: str) -> list[dict]:
+    messages = _valid_messages(messages, key)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("conversation has no assistant message, nothing to learn from")
-    return [dict(m) for m in messages]
+    return messages
 
 
 def _alpaca(record, source) -> Conversation:
@@ -138,14 +144,7 @@ class PreferencePair:
 def _turns(value, key: str, default_role: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": default_role, "content": value}]
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{key!r} must be a string or a non-empty list of messages")
-    for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or m.get("role") not in ROLES:
-            raise DataError(f"{key!r}: message {i} needs a 'role' among {', '.join(ROLES)}")
-        if m.get("content") is None and not m.get("tool_calls"):
-            raise DataError(f"{key!r}: message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
-    return [dict(m) for m in value]
+    return _valid_messages(value, key, "a string or a non-empty list of messages", where=f"{key!r}: ")
 
 
 def _preference(record, source) -> PreferencePair:

@@ -1,0 +1,92 @@
+"""Sample generations: a few fixed prompts answered greedily at each evaluation, so a run shows what it learned.
+
+The prompts are the first rows of the eval set (or of the training set without one), cut where their
+targets start (the prompt a user would send; a pair's prompt for preference data). Every rank generates the
+same prompts for exactly `logging.sample_tokens` steps (no early stop at EOS, the text is cut at the first EOS
+afterwards): under FSDP2 and ZeRO-3 each forward step gathers the sharded weights collectively, so all ranks
+must run the same number of steps or one would wait for the others forever. Logged to metrics.jsonl
+({"samples": [{"prompt", "completion"}]}), TensorBoard (text) and wandb (a table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disttrain.data import IGNORE_INDEX
+
+PROMPT_TOKENS_WITHOUT_TARGETS = 16  # a document (continued pretraining): its first tokens are the prompt
+
+
+def sample_prompts(rows, count: int) -> list[list[int]]:
+    """Token ids of up to `count` prompts from dataset rows (SFT rows or preference pairs)."""
+    prompts = []
+    for i in range(min(count, len(rows))):
+        row = rows[i]
+        ids, labels = (row["chosen_input_ids"], row["chosen_labels"]) if "chosen_input_ids" in row else \
+            (row["input_ids"], row["labels"])
+        if "position_ids" in row:  # a packed row: its first example
+            ends = [j for j, p in enumerate(row["position_ids"]) if p == 0][1:2]
+            ids, labels = ids[:ends[0]] if ends else ids, labels[:ends[0]] if ends else labels
+        start = next((j for j, label in enumerate(labels) if label != IGNORE_INDEX and j > 0), 0)
+        document = start <= 1  # targets from the first tokens on (after a BOS at most): no prompt to cut
+        prompts.append(list(ids[:PROMPT_TOKENS_WITHOUT_TARGETS] if document else ids[:start]))
+    return prompts
+
+
+@torch.no_grad()
+def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Greedy completions of every prompt, the same number of forward steps on every rank."""
+    module = accelerator.unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    samples = []
+    try:
+        for ids in prompts:
+            inputs = torch.tensor([ids], device=accelerator.device)
+            out = module.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                  do_sample=False, use_cache=True, eos_token_id=None,
+                                  pad_token_id=tokenizer.pad_token_id)
+            new = out[0, len(ids):].tolist()
+            if tokenizer.eos_token_id in new:
+                new = new[:new.index(tokenizer.eos_token_id) + 1]
+            samples.append({"prompt": tokenizer.decode(ids), "completion": tokenizer.decode(new)})
+    finally:
+        model.train(was_training)
+    return samples
+
+
+def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
+    """TensorBoard gets a Markdown table as text, wandb a table; other trackers take numbers only."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            rows = "\n".join(f"| {s['prompt']!r} | {s['completion']!r} |" for s in samples)
+            tracker.writer.add_text("samples", "| prompt | completion |\n|---|---|\n" + rows, step)
+        elif tracker.name == "wandb":
+            import wandb
+
+            table = wandb.Table(columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples])
+            tracker.log({"samples": table}, step=step)
+
+
+class Sampler:
+    """What the loop calls after each evaluation: generate, log, keep the last samples."""
+
+    def __init__(self, accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int, log):
+        self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
+        self.prompts, self.new_tokens, self.log = prompts, new_tokens, log
+        self.last: list[dict] = []
+
+    def __call__(self, step: int) -> None:
+        self.last = generate(self.accelerator, self.model, self.tokenizer, self.prompts, self.new_tokens)
+        self.log({"samples": self.last}, step)
+        if self.accelerator.is_main_process:
+            log_to_trackers(self.accelerator, self.last, step)
+
+
+def build_sampler(accelerator, model, tokenizer, recipe, eval_sets: dict, train_set, log) -> Sampler | None:
+    """logging.samples prompts from the first eval set (or the training set); None when disabled or streamed."""
+    rows = next(iter(eval_sets.values()), train_set)
+    if not recipe.logging.samples or rows is None:
+        return None
+    return Sampler(accelerator, model, tokenizer, sample_prompts(rows, recipe.logging.samples),
+                   recipe.logging.sample_tokens, log)

@@ -1,0 +1,113 @@
+"""What a finished run leaves: a model card in the Hub's format, plots that open, `make report` for one or
+several runs; and trying strategies one after another with the defaults (no collision, a finished run says so)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import REPO, assert_ok, base_recipe, free_port, write_recipe
+from disttrain.metrics import read_metrics
+from disttrain.report import summary_row, summary_table, write_report
+from disttrain.samples import sample_prompts
+
+
+def fake_run(run, lora=False, final=True):
+    """A run dir as train.py leaves it: recipe.yaml, run.json, data_report.json, metrics.jsonl (with a resume)."""
+    run.mkdir(parents=True)
+    recipe = {"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"},
+              "data": {"path": "yahma/alpaca-cleaned", "format": "alpaca", "max_seq_len": 512},
+              "training": {"objective": "sft", "lr": 2e-5}, "lora": {"r": 8} if lora else None,
+              "output": {"dir": str(run)}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (run / "run.json").write_text(json.dumps({"strategy": "fsdp", "processes": 8, "device": "cuda",
+                                              "device_name": "NVIDIA H100", "mixed_precision": "bf16",
+                                              "global_batch": 64, "total_steps": 20}))
+    (run / "data_report.json").write_text(json.dumps({"train": {"examples": 1000, "rows": 990, "target_tokens": 5e4,
+                                                                "tokens": 2e5}}))
+    lines = [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_s_per_device": 1000.0 + s,
+              "mfu": 0.4, **({"resumed_from_step": 10} if s == 11 else {})} for s in range(1, 21)]
+    lines += [{"step": 10, "eval_loss": 2.5}, {"step": 20, "eval_loss": 1.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if final:
+        (run / "final").mkdir()
+    return run
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_model_card_and_plots_of_a_run(tmp_path, lora):
+    from huggingface_hub import ModelCard
+    from matplotlib.image import imread
+
+    run = fake_run(tmp_path / "run", lora)
+    written = write_report(run)
+    assert {p.name for p in written} >= {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png",
+                                         "overview.png", "README.md"}
+    for png in (p for p in written if p.suffix == ".png"):
+        assert imread(png).shape[0] > 100  # a real image that opens
+    card = ModelCard.load(run / "final" / "README.md")
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B" and card.data.datasets == ["yahma/alpaca-cleaned"]
+    assert card.data.library_name == ("peft" if lora else "transformers") and card.data.license == "other"
+    assert {"disttrain", "sft", "fsdp"} <= set(card.data.tags)
+    text = card.text
+    assert "fsdp, 8 process(es) on cuda (NVIDIA H100)" in text and "| final eval loss | 1.5 |" in text
+    assert ("AutoPeftModelForCausalLM" if lora else "AutoModelForCausalLM") in text
+    assert "1000 examples -> 990 rows" in text and "lr: 2.0e-05" in text  # the recipe itself
+
+
+def test_report_table_compares_runs_and_in_progress_runs_get_plots(tmp_path, capsys):
+    from disttrain.report.__main__ import main
+
+    done, running = fake_run(tmp_path / "a"), fake_run(tmp_path / "b", final=False)
+    main([str(done), str(running)])
+    out = capsys.readouterr().out
+    assert out.count("| fsdp | 8 | sft |") == 2 and "| 20 | 20 | 1 | 1.5 |" in out
+    assert (running / "plots" / "overview.png").is_file() and not (running / "final" / "README.md").exists()
+    row = summary_row(done)
+    assert row["resumes"] == 1 and row["mfu"] == pytest.approx(0.4) and row["complete"]
+    assert "| run |" in summary_table([row])
+
+
+def test_sample_prompts_stop_where_the_targets_start():
+    sft = {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, -100, 4, 5]}
+    pair = {"chosen_input_ids": [7, 8, 9], "chosen_labels": [-100, -100, 9], "rejected_input_ids": [7, 8, 6],
+            "rejected_labels": [-100, -100, 6]}
+    packed = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, 3, -100, -100, 6],
+              "position_ids": [0, 1, 2, 0, 1, 2]}
+    document = {"input_ids": list(range(40)), "labels": list(range(40))}
+    assert sample_prompts([sft, pair, packed, document], 4) == [[1, 2, 3], [7, 8], [1, 2], list(range(16))]
+
+
+@pytest.mark.launch
+def test_strategies_one_after_another_with_the_defaults(tmp_path, tiny_model_dir):
+    """`make train-ddp`, then `make train-fsdp` with the same recipe: each gets its own dir ({strategy}-
+    {processes}), both finish with a model card and plots; the same command again says the run is complete."""
+    tree = base_recipe(tiny_model_dir, tmp_path / "runs" / "{strategy}-{processes}",
+                       training={"max_steps": 4, "eval_every": 2}, logging={"report_to": ["tensorboard"]},
+                       data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")})
+    recipe = write_recipe(tmp_path / "r.yaml", tree)
+
+    def make(target):
+        proc = subprocess.run(["make", "-s", target, "GPUS=2", f"MASTER_PORT={free_port()}", f"RECIPE={recipe}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert_ok(proc)
+        return proc
+
+    make("train-ddp")
+    fsdp = make("train-fsdp")
+    assert "was written under" not in fsdp.stdout + fsdp.stderr
+    assert "sample: '<|im_start|>user" in fsdp.stdout  # generated with sharded weights, every rank in step
+    for run in ("ddp-2", "fsdp-2"):
+        out = tmp_path / "runs" / run
+        assert (out / "final" / "README.md").is_file() and (out / "plots" / "overview.png").is_file()
+        samples = [r for r in read_metrics(out) if "samples" in r]
+        assert [r["step"] for r in samples] == [2, 4] and len(samples[0]["samples"]) == 2
+        assert all(s["prompt"].endswith("assistant\n") for s in samples[0]["samples"])
+        events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents*")).parent)).Reload()
+        assert "samples/text_summary" in events.Tags()["tensors"]
+    again = make("train-ddp")
+    assert "run complete:" in again.stdout and "final model:" not in again.stdout
