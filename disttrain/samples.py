@@ -37,6 +37,11 @@ def sample_prompts(rows, count: int) -> list[list[int]]:
 def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """Greedy completions of every prompt, the same number of forward steps on every rank."""
     module = accelerator.unwrap_model(model)
+    # FSDP2: generate() may enter below the root module (peft's generate calls the base model), so the root's
+    # own parameters would stay sharded; gather them for the whole generation (the layers gather themselves)
+    root = module if _is_fsdp2(module) else None
+    if root is not None:
+        root.unshard()
     was_training = model.training
     model.eval()
     samples = []
@@ -52,7 +57,17 @@ def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens
             samples.append({"prompt": tokenizer.decode(ids), "completion": tokenizer.decode(new)})
     finally:
         model.train(was_training)
+        if root is not None:
+            root.reshard()
     return samples
+
+
+def _is_fsdp2(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
