@@ -133,7 +133,10 @@ class PreferenceLoss(TokenLoss):
         if self.reference == "precomputed":
             if self.split not in self.tables:
                 raise DisttrainError(f"preference: no precomputed reference log-probs for {self.split!r}")
-            ref = self.tables[self.split].to(batch["input_ids"].device)[batch[PAIR_INDEX]]
+            table = self.tables[self.split]
+            if table.device != batch["input_ids"].device:  # moved once, not copied every micro-batch
+                table = self.tables[self.split] = table.to(batch["input_ids"].device)
+            ref = table[batch[PAIR_INDEX]]
             return ref[:, 0], ref[:, 1]
         if self.reference == "adapters":
             from accelerate.utils import extract_model_from_parallel

@@ -1,6 +1,6 @@
-"""The whole data path of a run: load each source -> render + tokenise + mask -> drop examples with nothing
-to learn -> mix the sources -> pack or chunk. Runs on the main process first; the other ranks read the
-`datasets` cache (the same fingerprints, so the same rows on every rank)."""
+"""The whole data path of a run: load each source -> render + tokenise + mask (in batches, `data.num_proc`
+workers) -> drop examples with nothing to learn -> mix the sources -> pack or chunk. Runs on the main process
+first; the other ranks read the `datasets` cache (the same fingerprints, so the same rows on every rank)."""
 
 from __future__ import annotations
 
