@@ -12,7 +12,9 @@ unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthika
 34 bytes x seq x batch x hidden per layer with flash/SDPA attention; 2 bytes per layer plus one layer's
 34 with gradient checkpointing), logits (training.loss_impl=plain: bf16 + fp32 copy + fp32 grad = 10 bytes x
 seq x batch x vocab; chunked, the default: one 64 MB chunk of fp32 logits and its gradient),
-and a 2 GB reserve (CUDA context, communication buffers). Estimates, not measurements: leave headroom.
+preference tuning's reference (a frozen copy of the weights for `reference: model`, sharded like the policy;
+a micro-batch of pairs is twice the sequences; the reference forward in FLOPs), and a 2 GB reserve
+(CUDA context, communication buffers). Estimates, not measurements: leave headroom.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class Workload:
     # unsharded between micro-batches (4 bytes/trainable parameter when reduced in fp32, else 2), per GPU
     fsdp_unsharded_grad_bytes: float = 0.0
     loss_impl: str = "chunked"           # training.loss_impl: how much memory the logits take
+    # preference tuning's reference (Recipe.reference_mode): "model" holds a frozen copy of the weights, sharded
+    # like the policy; "adapters" and "model" run one more forward per step, "precomputed" one over the data
+    reference: str = "none"
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -60,7 +65,22 @@ def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
 def model_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
     """(GPU GB, host GB) for weights + gradients + optimizer states of one GPU."""
     gpu, host = _sharded_states_gb(w, strategy, n)
-    return gpu + _fsdp_no_sync_gb(w, strategy), host
+    ref_gpu, ref_host = _reference_copy_gb(w, strategy, n)
+    return gpu + _fsdp_no_sync_gb(w, strategy) + ref_gpu, host + ref_host
+
+
+def _reference_copy_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
+    """preference.reference: model -- a frozen copy in the recipe's dtype, prepared like the policy: whole on
+    every GPU under DDP and ZeRO-1/2 (they shard no frozen weights), sharded under FSDP2 / ZeRO-3, in host
+    RAM when those offload."""
+    if w.reference != "model":
+        return 0.0, 0.0
+    weights = w.weight_bytes * w.params / 1e9
+    if strategy in ("ddp", "zero1", "zero2"):
+        return weights, 0.0
+    if strategy in ("fsdp", "zero3"):
+        return weights / n, 0.0
+    return 0.0, weights
 
 
 def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
@@ -104,9 +124,24 @@ def logits_bytes(w: Workload, tokens: int) -> float:
 
 
 def flops_per_token(w: Workload) -> float:
+    return _training_flops_per_token(w) + reference_flops_per_token(w)
+
+
+def _training_flops_per_token(w: Workload) -> float:
     if w.shape is None:  # only a parameter count: 6N, no attention term
         return (6.0 if w.lora_params is None else 4.0) * w.params + 6.0 * (w.lora_params or 0)
     return training_flops_per_token(w.shape, w.seq_len, None if w.lora_params is None else int(w.lora_params))
+
+
+def reference_flops_per_token(w: Workload) -> float:
+    """Preference tuning's reference forward (2 FLOPs/weight/token and a third of the attention term, as
+    throughput.FlopsMeter counts a live one): every step for adapters/model; once over the data when
+    precomputed, counted per training token (exact for one epoch, an upper bound for more)."""
+    if w.reference == "none":
+        return 0.0
+    if w.shape is None:
+        return 2.0 * w.params
+    return 2.0 * w.shape.matmul_params + attention_flops_per_token(w.shape, w.seq_len) / 3
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
@@ -133,7 +168,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
 def _workload_from_args(args) -> tuple[Workload, str]:
     shape = None
     lora = None
-    weight_bytes, no_sync_bytes, loss_impl = 2.0, 0.0, "chunked"
+    weight_bytes, no_sync_bytes, loss_impl, reference = 2.0, 0.0, "chunked", "none"
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
     title = ""
     if args.recipe or args.config:
@@ -150,8 +185,10 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             name = recipe.model.name_or_path
             seq_len = args.seq_len or recipe.data.max_seq_len
             micro = args.micro_batch or recipe.training.micro_batch_size
-            if recipe.training.objective == "dpo" and not args.micro_batch:
-                micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
+            if recipe.training.objective == "dpo":
+                reference = recipe.reference_mode()
+                if not args.micro_batch:
+                    micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
             ckpt = ckpt or recipe.model.gradient_checkpointing
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             loss_impl = recipe.training.loss_impl
@@ -175,8 +212,10 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     elif args.lora_params:
         lora_params = args.lora_params
         title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
+    if reference != "none":
+        title += f", DPO reference: {reference}"
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes, loss_impl), title
+                    no_sync_bytes, loss_impl, reference), title
 
 
 def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
@@ -234,6 +273,10 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
         + (f" (attention {attention_flops_per_token(w.shape, w.seq_len):.3g})" if w.shape else
            " (6N; attention term needs --config/--recipe)")
         + f", total {result['total_flops']:.3g} FLOPs",
+        *([f"  DPO reference ({w.reference}): {reference_flops_per_token(w):.3g} FLOPs/token of forward included"
+           + (", a frozen copy of the weights in the states" if w.reference == "model" else
+              ", once over the data (exact for one epoch)" if w.reference == "precomputed" else
+              ", no second copy (the adapters are disabled)")] if w.reference != "none" else []),
         f"  {result['gpus']} x {gpu['name']}: {gpu['peak_tflops']:g} TFLOP/s dense bf16, {gpu['memory_gb']:g} GB, "
         f"${result['price_per_gpu_hour']:.2f}/GPU-hour",
         "",

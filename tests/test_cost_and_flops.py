@@ -142,3 +142,40 @@ def test_chunked_loss_keeps_one_chunk_of_logits_whatever_the_sequence():
     chunked = Workload(7e9, shape, 1e9, 4096, 4, True, loss_impl="chunked")
     logits_plain = 10 * 4 * 4096 * 152064 / 1e9  # ~24.9 GB
     assert activations_gb(plain) - activations_gb(chunked) == pytest.approx(logits_plain - 8 * CHUNK_LOGITS / 1e9)
+
+
+def test_preference_reference_memory_and_flops(tmp_path):
+    """DPO: `reference: model` adds a frozen copy of the weights sharded like the policy (whole under DDP and
+    ZeRO-1/2, divided under FSDP2/ZeRO-3, host RAM when offloading); every reference adds a forward pass of
+    FLOPs per token (live each step; precomputed once over the data); LoRA's disabled adapters hold nothing."""
+    import yaml
+
+    from disttrain.cost import flops_per_token, reference_flops_per_token, workload_from_recipe
+
+    plain = Workload(7e9, None, 1e9, 2048, 1, False)
+    live = Workload(7e9, None, 1e9, 2048, 1, False, reference="model")
+    for strategy, (gpu, host) in {"ddp": (14.0, 0), "zero2": (14.0, 0), "fsdp": (14.0 / 8, 0),
+                                  "zero3": (14.0 / 8, 0), "zero3_offload": (0, 14.0)}.items():
+        extra = [a - b for a, b in zip(model_states_gb(live, strategy, 8), model_states_gb(plain, strategy, 8))]
+        assert extra == pytest.approx([gpu, host]), strategy
+    assert flops_per_token(live) == pytest.approx(8 * 7e9)
+    assert flops_per_token(Workload(7e9, None, 1e9, 2048, 1, False, reference="precomputed")) == pytest.approx(8 * 7e9)
+    assert flops_per_token(plain) == pytest.approx(6 * 7e9)
+
+    lora, title = workload_from_recipe(str(REPO / "recipes/qwen2.5-7b/dpo_lora.yaml"))
+    assert lora.reference == "adapters" and "DPO reference: adapters" in title
+    assert lora.micro_batch == 4  # 2 pairs = 4 sequences
+    sft, _ = workload_from_recipe(str(REPO / "recipes/qwen2.5-7b/lora_sft.yaml"))
+    assert model_states_gb(lora, "ddp", 8) == model_states_gb(sft, "ddp", 8)  # no second copy
+    forward = 2 * lora.shape.matmul_params + 4 * lora.shape.layers * lora.shape.heads * lora.shape.head_dim * 2048
+    assert reference_flops_per_token(lora) == pytest.approx(forward)
+
+    recipe = yaml.safe_load((REPO / "recipes/qwen2.5-7b/dpo_lora.yaml").read_text())
+    del recipe["lora"]
+    recipe["preference"]["reference"] = "model"
+    path = tmp_path / "dpo_full_live.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    full, _ = workload_from_recipe(str(path))
+    precomputed = Workload(**{**full.__dict__, "reference": "precomputed"})
+    added = model_states_gb(full, "fsdp", 8)[0] - model_states_gb(precomputed, "fsdp", 8)[0]
+    assert added == pytest.approx(2 * full.params / 8 / 1e9)  # bf16 copy, an eighth per GPU
