@@ -150,7 +150,7 @@ def tracker_config(recipe: Recipe) -> dict:
 
 def tracker_init_kwargs(recipe: Recipe) -> dict:
     name = recipe.logging.run_name or "-".join(Path(recipe.output.dir).parts[-2:])  # e.g. tiny-sft-ddp-2
-    return {"wandb": {"name": name}}
+    return {"wandb": {"name": name}, "mlflow": {"run_name": name}}
 
 
 def throughput_setup(accelerator, recipe: Recipe, model):

@@ -5,7 +5,7 @@ targets start (the prompt a user would send; a pair's prompt for preference data
 same prompts for exactly `logging.sample_tokens` steps (no early stop at EOS, the text is cut at the first EOS
 afterwards): under FSDP2 and ZeRO-3 each forward step gathers the sharded weights collectively, so all ranks
 must run the same number of steps or one would wait for the others forever. Logged to metrics.jsonl
-({"samples": [{"prompt", "completion"}]}), TensorBoard (text) and wandb (a table).
+({"samples": [{"prompt", "completion"}]}), TensorBoard (text), wandb (a table) and mlflow (an artifact).
 """
 
 from __future__ import annotations
@@ -71,11 +71,17 @@ def _is_fsdp2(module) -> bool:
 
 
 def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
-    """TensorBoard gets a Markdown table as text, wandb a table; other trackers take numbers only."""
+    """TensorBoard gets a Markdown table as text, wandb a table, mlflow the Markdown table as a run artifact
+    (its metrics take numbers only)."""
+    rows = "\n".join(f"| {s['prompt']!r} | {s['completion']!r} |" for s in samples)
+    markdown = "| prompt | completion |\n|---|---|\n" + rows
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
-            rows = "\n".join(f"| {s['prompt']!r} | {s['completion']!r} |" for s in samples)
-            tracker.writer.add_text("samples", "| prompt | completion |\n|---|---|\n" + rows, step)
+            tracker.writer.add_text("samples", markdown, step)
+        elif tracker.name == "mlflow":
+            import mlflow
+
+            mlflow.log_text(markdown + "\n", f"samples/step-{step:06d}.md")
         elif tracker.name == "wandb":
             import wandb
 

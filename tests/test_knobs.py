@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from disttrain.metrics import read_metrics
 from disttrain import hub
 from disttrain.compat import check_trackers
 from disttrain.config import LoraSection, load_recipe
@@ -59,28 +60,58 @@ def test_neftune_adds_noise_only_in_training(tiny_model_dir):
 
 
 @pytest.mark.launch
-def test_dora_rslora_and_neftune_train_under_fsdp(tmp_path, tiny_model_dir):
+def test_dora_rslora_neftune_and_mlflow_under_fsdp(tmp_path, tiny_model_dir):
+    """One FSDP2 launch: DoRA + rsLoRA adapters and NEFTune train and export; logging.report_to=[mlflow] goes
+    through accelerate's tracker to a local store: the recipe as params, every logged loss as a metric, the
+    sample generations of each evaluation as Markdown artifacts."""
+    import json
+    import os
+
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
-        tiny_model_dir, out, training={"max_steps": 4, "neftune_alpha": 5.0},
-        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_dora": True, "use_rslora": True}))
-    assert_ok(launch("fsdp", recipe))
-    import json
+        tiny_model_dir, out, training={"max_steps": 4, "neftune_alpha": 5.0, "eval_every": 2},
+        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_dora": True, "use_rslora": True},
+        data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
+        logging={"report_to": ["mlflow"], "every_steps": 1, "run_name": "knobs"}))
+    store = tmp_path / "mlruns"
+    # mlflow >= 3 keeps a local file store only on request (its default is an sqlite database)
+    env = {"MLFLOW_TRACKING_URI": store.as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+    assert_ok(launch("fsdp", recipe, env=env))
 
     config = json.loads((out / "final" / "adapter_config.json").read_text())
     assert config["use_dora"] and config["use_rslora"]
 
+    os.environ.update(env)
+    try:
+        from mlflow.tracking import MlflowClient
 
-def test_mlflow_is_a_tracker_with_a_clear_line_when_missing():
-    recipe = load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.report_to=[mlflow]"])
-    assert recipe.logging.report_to == ["mlflow"]
+        client = MlflowClient(tracking_uri=store.as_uri())
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.run_name == "knobs" and run.data.params["training.neftune_alpha"] == "5.0"
+        logged = [r for r in read_metrics(out) if "loss" in r]
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert [m.step for m in history] == [r["step"] for r in logged] == [1, 2, 3, 4]
+        assert [m.value for m in history] == pytest.approx([r["loss"] for r in logged])
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [2, 4]
+        artifacts = sorted(a.path for a in client.list_artifacts(run.info.run_id, "samples"))
+        assert artifacts == ["samples/step-000002.md", "samples/step-000004.md"]
+        text = client.download_artifacts(run.info.run_id, "samples/step-000004.md", str(tmp_path))
+        assert open(text).read().startswith("| prompt | completion |")
+    finally:
+        for key in env:
+            os.environ.pop(key)
+
+
+def test_mlflow_missing_is_one_clear_line(monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("mlflow") is None:
-        with pytest.raises(DisttrainError, match=r"mlflow but it is not installed: pip install mlflow \(or `make setup "
-                                                 r"EXTRAS=test,mlflow`\)"):
-            check_trackers(["mlflow"])
-    else:
+    recipe = load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.report_to=[mlflow]"])
+    assert recipe.logging.report_to == ["mlflow"]
+    check_trackers(["mlflow"])  # installed by the test extra
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    with pytest.raises(DisttrainError, match=r"mlflow but it is not installed: pip install mlflow \(or `make setup "
+                                             r"EXTRAS=test,mlflow`\)"):
         check_trackers(["mlflow"])
 
 
