@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.flops import ModelShape, attention_flops_per_token, training_flops_per_token
+from disttrain.flops import (ModelShape, attention_flops_per_token, forward_flops_per_token,
+                             training_flops_per_token)
 from disttrain.hardware import ACCELERATORS, Accelerator, lookup
 
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload"]
@@ -35,6 +36,9 @@ STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_o
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
                "fsdp_offload": 0.12, "zero3_offload": 0.12}
 RESERVE_GB = 2.0
+REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
+                   "precomputed": "once over the data (exact for one epoch)",
+                   "adapters": "no second copy (the adapters are disabled)"}
 USABLE = 0.95  # fraction of the card's memory the allocator can really hand out
 
 
@@ -139,9 +143,7 @@ def reference_flops_per_token(w: Workload) -> float:
     precomputed, counted per training token (exact for one epoch, an upper bound for more)."""
     if w.reference == "none":
         return 0.0
-    if w.shape is None:
-        return 2.0 * w.params
-    return 2.0 * w.shape.matmul_params + attention_flops_per_token(w.shape, w.seq_len) / 3
+    return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
@@ -273,10 +275,8 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
         + (f" (attention {attention_flops_per_token(w.shape, w.seq_len):.3g})" if w.shape else
            " (6N; attention term needs --config/--recipe)")
         + f", total {result['total_flops']:.3g} FLOPs",
-        *([f"  DPO reference ({w.reference}): {reference_flops_per_token(w):.3g} FLOPs/token of forward included"
-           + (", a frozen copy of the weights in the states" if w.reference == "model" else
-              ", once over the data (exact for one epoch)" if w.reference == "precomputed" else
-              ", no second copy (the adapters are disabled)")] if w.reference != "none" else []),
+        *([f"  DPO reference ({w.reference}): {reference_flops_per_token(w):.3g} FLOPs/token of forward included, "
+           + REFERENCE_NOTES[w.reference]] if w.reference != "none" else []),
         f"  {result['gpus']} x {gpu['name']}: {gpu['peak_tflops']:g} TFLOP/s dense bf16, {gpu['memory_gb']:g} GB, "
         f"${result['price_per_gpu_hour']:.2f}/GPU-hour",
         "",

@@ -63,6 +63,11 @@ def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return 12.0 * shape.layers * shape.heads * shape.head_dim * seq_len
 
 
+def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """One forward pass only (a reference model's): 2 FLOPs per weight per token, a third of the attention term."""
+    return 2.0 * shape.matmul_params + attention_flops_per_token(shape, seq_len) / 3
+
+
 def training_flops_per_token(shape: ModelShape, seq_len: int, trainable_params: int | None = None) -> float:
     """`trainable_params` = adapter parameters for LoRA (None: full fine-tune)."""
     if trainable_params is None:

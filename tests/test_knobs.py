@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain.metrics import read_metrics
 from disttrain import hub
 from disttrain.compat import check_trackers
 from disttrain.config import LoraSection, load_recipe
 from disttrain.errors import DisttrainError, RecipeError
+from disttrain.metrics import read_metrics
 
 
 def tiny(tiny_model_dir):
