@@ -49,7 +49,7 @@ LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data report gpu-acceptance clean
+	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -127,7 +127,10 @@ report: setup ## summary table of RUN (one or several output dirs), with their p
 bench-data: tiny ## data preparation: ours vs one batched tokenizer pass, memory vs size, DDP time to first step -> bench/data/
 	$(PY) -m disttrain.bench_data $(ARGS)
 
-gpu-acceptance: tiny ## on a GPU machine: check every GPU-only claim -> gpu_acceptance/acceptance.{json,md} (ARGS='--wheels DIR')
+gpu-kit: setup ## the wheels the lent GPU machine lacks -> gpu_kit/ (< 64 MiB), and the command to run there
+	$(PY) scripts/gpu/kit.py --out gpu_kit $(ARGS)
+
+gpu-acceptance: tiny ## on a GPU machine: check every GPU-only claim -> gpu_acceptance/acceptance.{json,md} (ARGS='--wheels gpu_kit')
 	$(PY) scripts/gpu/acceptance.py --out gpu_acceptance $(ARGS)
 
 doctor: setup ## RECIPE's machine: GPUs, CUDA/NCCL, libraries, disk, /dev/shm, limits, network + all_reduce/all_gather bandwidth
@@ -141,8 +144,15 @@ diagnose: setup ## name the failure in a log file or output dir: make diagnose L
 cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --tokens 1e9 --gpu H100 --gpus 8'
 	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)
 
-test: tiny ## run the test suite (unit tests + real multi-process launches on CPU)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Two test processes (pytest-xdist): a launch is mostly start-up on one core at a time, so two overlap well on
+# 2 cores; tests that read one shared run stay on one process (tests/conftest.py, shared_run). TEST_JOBS=0: one.
+TEST_JOBS   ?= 2
+
+test: tiny ## the whole suite, what CI runs: unit tests + real multi-process launches on CPU (TEST_JOBS processes)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+
+test-fast: tiny ## the unit tests only, no launches, no downloads (< 1 min): the inner loop while developing
+	$(PY) -m pytest -m "not launch and not network" $(PYTEST_ARGS)
 
 clean: ## remove outputs and the tiny model (keeps .venv)
-	rm -rf outputs artifacts bench gpu_acceptance
+	rm -rf outputs artifacts bench gpu_acceptance gpu_kit

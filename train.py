@@ -185,7 +185,7 @@ def main(argv=None):
         final = modeling.export(accelerator, model, tokenizer, outputs.final_model_dir(recipe), recipe.model,
                                 merge_lora=bool(recipe.lora and recipe.lora.merge_on_export))
         accelerator.print(f"final model: {final}  (metrics: {log.path})")
-    if accelerator.is_main_process:  # model card (with the exported model) and plots, from the run's own files
+    if recipe.output.report and accelerator.is_main_process:  # model card and plots, from the run's own files
         written = write_report(recipe.output.dir)
         accelerator.print(f"report: {', '.join(str(p) for p in written if p.name in ('overview.png', 'README.md'))}"
                           f"  (again, or for several runs: make report RUN={recipe.output.dir})")

@@ -215,6 +215,8 @@ class OutputSection(_Section):
     checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
     checkpoint_at_end: bool = True
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk")
+    report: bool = Field(True, description="At the end, the model card (final/README.md) and plots/ (rank 0, a few "
+                         "seconds); off, `make report RUN=<dir>` writes them later from the run's files")
     resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
     push_to_hub: str | None = Field(None, description="a Hub repo id (org/name): the final model and its card are "
                                     "uploaded at the end (a token is checked before training)")

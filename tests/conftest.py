@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -22,6 +27,60 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Each pytest process (`make test` runs two, pytest-xdist) tokenises into its own datasets cache: two launches
+# preparing the same file at once would otherwise share cache files, and "rank 1 read rank 0's cache" could
+# be rank 1 reading another test's cache.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix=f"disttrain-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_DATASETS_CACHE, "datasets")
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
+
+# Fixtures that launch a run several tests read (declared with @shared_run). Under pytest-xdist every test
+# that uses one goes to the same worker (an xdist_group per fixture and parameter), so the run is made once.
+SHARED_RUNS: set[str] = set()
+
+
+def shared_run(**fixture_kwargs):
+    """@pytest.fixture(scope=...) for a launch whose outputs several tests assert on."""
+    def register(function):
+        SHARED_RUNS.add(function.__name__)
+        return pytest.fixture(**fixture_kwargs)(function)
+    return register
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own modifyitems hook)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per set of tests linked by the shared runs they read (a test reading two shared runs
+    joins their groups), so that no shared run is launched in two test processes."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys_of = {}
+    for item in items:
+        params = getattr(item, "callspec", None)
+        keys = [f"{name}[{params.params[name]}]" if params and name in params.params else name
+                for name in sorted(item.fixturenames) if name in SHARED_RUNS]
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+        keys_of[item] = keys
+    for item, keys in keys_of.items():
+        if keys:
+            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
+
+
+def pytest_collection_finish(session):
+    """In a pytest-xdist worker: the groups must have reached the scheduler (xdist appends "@group" to the
+    node id; pytest 9.2 stopped reading the attribute it sets), else shared runs would be launched twice."""
+    if getattr(session.config.option, "loadgroup", False):
+        lost = [item.nodeid for item in session.items
+                if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): this "
+                                    "pytest/pytest-xdist pair ignores xdist_group; install the test extra's "
+                                    "versions (make setup) or run with TEST_JOBS=0")
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +105,8 @@ def base_recipe(model_dir: Path, out_dir: Path, **sections) -> dict:
         "training": {"max_steps": 6, "micro_batch_size": 4, "grad_accum": 2, "lr": 3e-3,
                      "mixed_precision": "no", "lr_scheduler": "constant", "seed": 7},
         "logging": {"report_to": ["none"], "every_steps": 1},
-        "output": {"dir": str(out_dir)},
+        # the model card and plots cost ~2 s per launch on rank 0; the tests that assert them turn them on
+        "output": {"dir": str(out_dir), "report": False},
     }
     for name, values in sections.items():
         if values is None:
@@ -61,6 +121,26 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
+# ZeRO-3 gathers and reduces every layer's weights in each micro-step: hundreds of small gloo collectives per
+# step, each of which waits for its peer rank to get a core. Next to another launch on the 2 cores that wait
+# is a scheduler slice each time (measured: a ZeRO-3-offload DPO launch, 35 s alone, took 246 s beside
+# another test process's launches). Those launches run alone: they take an exclusive lock that the other
+# launches share, so that other launches still run two at a time.
+ALONE = {"zero3", "zero3_offload"}
+_LAUNCH_LOCK = Path(tempfile.gettempdir()) / f"disttrain-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}.lock"
+
+
+@contextmanager
+def cores_for(config):
+    """Hold the test processes' launch lock: exclusively for a launch under an ALONE strategy, shared else."""
+    with open(_LAUNCH_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if Path(str(config)).stem in ALONE else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
            extra_args=(), timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it
@@ -68,7 +148,8 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
     cmd = launch_command(config, nproc, script, "--recipe", str(recipe_path), *overrides,
                          launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    with cores_for(config):
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2,

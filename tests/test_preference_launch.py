@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, launch, shared_run, write_recipe
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -20,14 +20,18 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewa
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dpo") / "pairs.jsonl"
+    """48 training pairs, and 16 held-out pairs beside them (pairs.eval.jsonl) for the evaluations."""
+    folder = tmp_path_factory.mktemp("dpo")
+    (folder / "pairs.eval.jsonl").write_text(
+        "".join((REPO / "data/tiny_dpo_eval.jsonl").read_text().splitlines(keepends=True)[:16]))
+    path = folder / "pairs.jsonl"
     path.write_text("".join((REPO / "data/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:48]))
     return path
 
 
 def recipe_for(tmp_path, model_dir, data, name, micro, lora, **output):
     sections = dict(data={"path": str(data), "format": "preference", "max_seq_len": 64,
-                          "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl")},
+                          "eval_path": str(data.with_suffix(".eval.jsonl"))},
                     training={"objective": "dpo", "max_steps": STEPS, "micro_batch_size": micro, "grad_accum": 2,
                               "lr": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "eval_every": 5},
                     preference={"loss": "sigmoid", "beta": 0.5}, output=output)
@@ -62,22 +66,34 @@ def _single(tmp_path_factory, model_dir, pairs, lora):
     return tmp / "ref"
 
 
-@pytest.fixture(scope="module")
+@shared_run(scope="module")
 def single_full(tmp_path_factory, tiny_model_dir, pairs):
     return _single(tmp_path_factory, tiny_model_dir, pairs, False)
 
 
-@pytest.fixture(scope="module")
+@shared_run(scope="module")
 def single_lora(tmp_path_factory, tiny_model_dir, pairs):
     return _single(tmp_path_factory, tiny_model_dir, pairs, True)
 
 
-def _matches_single(strategy, lora, ref, tmp_path, model_dir, pairs):
-    out = tmp_path / strategy
-    proc = launch(strategy, recipe_for(tmp_path, model_dir, pairs, strategy, 1, lora))
-    assert_ok(proc)
-    if not lora:
-        assert "reference log-probs of 112 pairs computed" in proc.stdout  # 48 training + 64 eval pairs
+@shared_run(scope="module")
+def full_runs(tmp_path_factory, tiny_model_dir, pairs):
+    """Full DPO on 2 processes, one run per strategy, launched when first asked for: the equivalence test and
+    the uninterrupted half of the resume test read the same run (its checkpoints every 3 steps change
+    nothing in what it trains)."""
+    tmp = tmp_path_factory.mktemp("full")
+    made = {}
+
+    def run(strategy):
+        if strategy not in made:
+            proc = launch(strategy, recipe_for(tmp, tiny_model_dir, pairs, strategy, 1, False, checkpoint_every=3))
+            assert_ok(proc)
+            made[strategy] = (tmp / strategy, proc)
+        return made[strategy]
+    return run
+
+
+def assert_matches_single(strategy, lora, ref, out):
     assert_same(ref, out, rel=1e-4, atol=1e-5, accuracy=False)
     wa, wb = weights(ref, lora), weights(out, lora)
     assert set(wa) == set(wb)
@@ -86,15 +102,19 @@ def _matches_single(strategy, lora, ref, tmp_path, model_dir, pairs):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"])
-def test_full_dpo_matches_single_process(strategy, single_full, tmp_path, tiny_model_dir, pairs):
+def test_full_dpo_matches_single_process(strategy, single_full, full_runs):
     """Precomputed reference: one pass sharded across the ranks, gathered, then looked up per pair."""
-    _matches_single(strategy, False, single_full, tmp_path, tiny_model_dir, pairs)
+    out, proc = full_runs(strategy)
+    assert "reference log-probs of 64 pairs computed" in proc.stdout  # 48 training + 16 eval pairs
+    assert_matches_single(strategy, False, single_full, out)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_lora_dpo_matches_single_process(strategy, single_lora, tmp_path, tiny_model_dir, pairs):
     """Reference = the same wrapped model with the adapters disabled, under each strategy's wrapping."""
-    _matches_single(strategy, True, single_lora, tmp_path, tiny_model_dir, pairs)
+    out = tmp_path / strategy
+    assert_ok(launch(strategy, recipe_for(tmp_path, tiny_model_dir, pairs, strategy, 1, True)))
+    assert_matches_single(strategy, True, single_lora, out)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
@@ -114,10 +134,9 @@ def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, 
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs):
-    ckpt = {"checkpoint_every": 3}
-    assert_ok(launch(strategy, recipe_for(tmp_path, tiny_model_dir, pairs, "a", 1, False, **ckpt)))
-    b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, **ckpt)
+def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs, full_runs):
+    a, _ = full_runs(strategy)  # the uninterrupted run
+    b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, checkpoint_every=3)
     first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
     assert_ok(first)
     assert "computed with the initial weights" in first.stdout
@@ -125,8 +144,8 @@ def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_pat
     assert_ok(second)
     assert f"at step {STOP}/{STEPS}" in second.stdout
     assert "reference log-probs read from" in second.stdout and "computed with the initial" not in second.stdout
-    assert_same(tmp_path / "a", tmp_path / "b", rel=1e-6, atol=1e-7)
-    wa, wb = weights(tmp_path / "a", False), weights(tmp_path / "b", False)
+    assert_same(a, tmp_path / "b", rel=1e-6, atol=1e-7)
+    wa, wb = weights(a, False), weights(tmp_path / "b", False)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 

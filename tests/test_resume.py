@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, start_launch,
-                      write_recipe)
+from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, shared_run,
+                      start_launch, write_recipe)
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
@@ -159,6 +159,24 @@ def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_
     assert f"step-{step:08d} at step {step}/400" in resumed.stdout
 
 
+LONG_STEPS = 60  # long enough that a rank killed after the first checkpoint (step 10) dies mid-run
+
+
+def long_recipe(tmp_path, model_dir, data, name):
+    path = recipe(tmp_path, model_dir, data, name)
+    path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {LONG_STEPS}")
+                    .replace("checkpoint_every: 3", "checkpoint_every: 10"))
+    return path
+
+
+@shared_run(scope="module")
+def long_uninterrupted(tmp_path_factory, tiny_model_dir, small_data) -> Path:
+    """The uninterrupted DDP run that the killed-rank and elastic-restart runs must end like (launched once)."""
+    tmp = tmp_path_factory.mktemp("long")
+    assert_ok(launch("ddp", long_recipe(tmp, tiny_model_dir, small_data, "a")))
+    return tmp / "a"
+
+
 def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
     """SIGKILL rank 1 of a running launch as soon as its first complete checkpoint exists."""
     ckpts = out_dir / "checkpoints"
@@ -170,16 +188,11 @@ def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
     ranks[1].kill()
 
 
-def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, small_data):
+def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, small_data,
+                                                             long_uninterrupted):
     """SIGKILL one rank mid-run: the job fails; the same command again resumes from the newest complete
     checkpoint and ends exactly where an uninterrupted run ends."""
-    steps = 120
-    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
-    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
-    for path in (a, b):
-        path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {steps}")
-                        .replace("checkpoint_every: 3", "checkpoint_every: 10").replace("every_steps: 1", "every_steps: 10"))
-    assert_ok(launch("ddp", a))
+    b = long_recipe(tmp_path, tiny_model_dir, small_data, "b")
     log_path = tmp_path / "killed.log"
     proc = start_launch("ddp", b, log_path)
     try:
@@ -194,23 +207,19 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
     second = launch("ddp", b)
     assert_ok(second)
     assert "resumed from" in second.stdout
-    wa, wb = final_weights(tmp_path / "a", False), final_weights(tmp_path / "b", False)
+    assert losses(tmp_path / "b") == pytest.approx(losses(long_uninterrupted), rel=1e-6, abs=1e-7)
+    wa, wb = final_weights(long_uninterrupted, False), final_weights(tmp_path / "b", False)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, tiny_model_dir,
-                                                                                        small_data):
+                                                                                        small_data,
+                                                                                        long_uninterrupted):
     """`make train-ddp MAX_RESTARTS=1`: SIGKILL one rank after the first checkpoint; torchrun restarts both
     workers by itself, they resume from the newest complete checkpoint, and the job ends with exit 0 and the
     uninterrupted run's losses and weights."""
-    steps = 60
-    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
-    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
-    for path in (a, b):
-        path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {steps}")
-                        .replace("checkpoint_every: 3", "checkpoint_every: 10"))
-    assert_ok(launch("ddp", a))
+    b = long_recipe(tmp_path, tiny_model_dir, small_data, "b")
     log_path = tmp_path / "elastic.log"
     job = start_make("train-ddp", b, log_path, None, "MAX_RESTARTS=1")
     try:
@@ -221,10 +230,10 @@ def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrup
     out = log_path.read_text()
     assert "failed (exitcode: -9)" in out and "resumed from" in out, out[-4000:]
     assert "shared rendezvous store" not in out  # MAX_RESTARTS set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert sorted(lb) == list(range(1, steps + 1)), "metrics continue across the restart without gap or duplicate"
+    la, lb = losses(long_uninterrupted), losses(tmp_path / "b")
+    assert sorted(lb) == list(range(1, LONG_STEPS + 1)), "metrics continue across the restart without gap or duplicate"
     assert lb == pytest.approx(la, rel=1e-6, abs=1e-7)
-    wa, wb = final_weights(tmp_path / "a", False), final_weights(tmp_path / "b", False)
+    wa, wb = final_weights(long_uninterrupted, False), final_weights(tmp_path / "b", False)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 

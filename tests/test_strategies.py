@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_ok, base_recipe, launch, write_recipe
+from conftest import assert_ok, base_recipe, launch, shared_run, write_recipe
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -33,7 +33,7 @@ def recipe_for(tmp_path, model_dir, name, micro, lora):
     return write_recipe(tmp_path / f"{name}.yaml", base_recipe(model_dir, tmp_path / name, **sections))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["full", "lora"])
+@shared_run(scope="module", params=[False, True], ids=["full", "lora"])
 def reference(request, tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("ref")
     proc = launch("single_gpu", recipe_for(tmp, tiny_model_dir, "ref", 2, request.param), nproc=1)

@@ -1,8 +1,10 @@
 """The GPU acceptance run: every claim of disttrain that only a GPU can check, in one command, one
 PASS / FAIL / SKIP / INFO line per item. Prepared on CPU; not yet run on a GPU.
 
-    # on the GPU machine (one H200; torch, accelerate, transformers, peft preinstalled), from the repo root:
-    python3 scripts/gpu/acceptance.py --out $OUT --wheels .whl
+    make gpu-kit    # here: gpu_kit/, the wheels the GPU machine lacks (scripts/gpu/kit.py), ~9 MiB
+    # on the GPU machine (one H200; torch, accelerate, transformers, peft preinstalled), from the repo root,
+    # carrying gpu_kit:
+    python3 scripts/gpu/acceptance.py --out $OUT --wheels gpu_kit
     # CPU dry run (tests/test_gpu_acceptance.py runs a subset): tiny model, 4 steps, fp32, the CPU items
     python3 scripts/gpu/acceptance.py --dry-run --out /tmp/acceptance
 
@@ -38,12 +40,13 @@ what finished. --out gets exactly three files (acceptance.json, acceptance.md, l
 subprocess's output); models, data and run dirs go to --work. Exit status: 0 when no item FAILed, 1
 otherwise, 2 without a CUDA GPU (and no --dry-run).
 
---wheels DIR: `python -m pip install --no-index --no-deps --find-links DIR DIR/*.whl` before anything else
-(recorded in the JSON; a failure is recorded and the run goes on). --no-deps: a missing dependency then
-fails only the items that import it, not the whole install. The GPU image has no pydantic, datasets,
-deepspeed, bitsandbytes, wandb or flash-attn: carry at least pydantic, pydantic-core, annotated-types,
-typing-inspection (disttrain's recipe schema: without them every item fails), datasets, dill, multiprocess
-(data), deepspeed, hjson (ZeRO items) and bitsandbytes (QLoRA, 8-bit Adam), as cp312 manylinux x86_64 wheels.
+--wheels DIR: `pip install --no-index --no-deps` of DIR's wheels before anything else, into site-packages
+when it is writable, else (or with --site DIR) into a target dir put first on PYTHONPATH for every launch.
+--no-deps skips version ranges, so every range of the carried packages' requirements and disttrain's own
+(pyproject.toml) is then checked against what the machine has: each one not met is one line, printed and
+recorded in the JSON (meta.wheels.pins), before the first item. A missing package fails only the items that
+import it. `make gpu-kit` builds DIR (scripts/gpu/kit.py: pydantic and its core, datasets, DeepSpeed built
+without ops, bitsandbytes slimmed to the machine's CUDA library); the GPU image has none of them.
 
 Time on the H200 — an ESTIMATE, not a measurement (this script has never run on a GPU). One `accelerate
 launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s there, almost all start-up
@@ -86,6 +89,9 @@ sys.path.insert(0, str(REPO))
 # may arrive with --wheels. Everything else is imported inside the functions that use it.
 from disttrain.launcher import kill_tree, launch_command  # noqa: E402
 from disttrain.metrics import read_metrics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kit  # noqa: E402  (stdlib + packaging: the kit's parts and the version pins its install skipped)
 
 PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
 PACKING_SCRIPT = REPO / "scripts/gpu/packing_isolation.py"
@@ -579,28 +585,49 @@ def installed_versions() -> dict[str, str]:
     return {(d.metadata["Name"] or "?").lower(): d.version for d in importlib.metadata.distributions()}
 
 
-def install_wheels(folder: Path) -> dict:
+def install_wheels(folder: Path, target: Path | None = None) -> dict:
+    """pip install --no-deps the kit's wheels (make gpu-kit): into site-packages when it is writable, else into
+    `target` (default: a temp dir), which then goes first on sys.path and on PYTHONPATH for every launch."""
+    import sysconfig
+
     wheels = sorted(folder.glob("*.whl"))
     record = {"dir": str(folder), "wheels": [w.name for w in wheels]}
     if not wheels:
         record.update(ok=False, error=f"no .whl files in {folder}")
         return record
+    if target is None and not os.access(sysconfig.get_paths()["purelib"], os.W_OK):
+        target = Path(tempfile.gettempdir()) / "disttrain_site"
     before = installed_versions()
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--find-links", str(folder), *map(str, wheels)]
+           "--find-links", str(folder), *(["--upgrade", "--target", str(target)] if target else []),
+           *map(str, wheels)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if target is not None:
+        record["target"] = str(target)
+        sys.path.insert(0, str(target))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH")) if p)
     importlib.invalidate_caches()
     after = installed_versions()
     record.update(ok=proc.returncode == 0, exit=proc.returncode,
                   installed={k: v for k, v in after.items() if before.get(k) != v})
     if proc.returncode != 0:
         record["error"] = (proc.stdout + proc.stderr)[-MAX_LOG_TAIL:]
+        return record
+    # --no-deps skipped every version range: check them here, before the first item (one line each)
+    manifest = folder / "manifest.json"
+    names = ([p["name"] for p in json.loads(manifest.read_text())["parts"]] if manifest.is_file()
+             else [w.name.split("-")[0] for w in wheels])
+    record["pins"] = kit.pin_mismatches(names, kit.project_requirements())
     return record
 
 
 def wheels_line(record: dict) -> str:
     if record["ok"]:
-        return "installed " + (", ".join(f"{k} {v}" for k, v in record["installed"].items()) or "nothing new")
+        where = f" into {record['target']}" if record.get("target") else ""
+        pins = (f"; {len(record['pins'])} version pin(s) not met: " + "; ".join(record["pins"])
+                if record.get("pins") else "; every version pin met")
+        return ("installed " + (", ".join(f"{k} {v}" for k, v in record["installed"].items()) or "nothing new")
+                + where + pins)
     return "FAILED: " + record["error"][-300:]
 
 
@@ -755,7 +782,11 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=None,
                         help="model, corpus and run dirs (default: a fresh temporary dir; kept out of --out)")
     parser.add_argument("--items", default=",".join(BY_NAME), help=f"comma-separated, of {', '.join(BY_NAME)}")
-    parser.add_argument("--wheels", type=Path, default=None, help="pip install the .whl files of this dir first")
+    parser.add_argument("--wheels", type=Path, default=None,
+                        help="pip install the .whl files of this dir first (the folder `make gpu-kit` builds)")
+    parser.add_argument("--site", type=Path, default=None,
+                        help="install the wheels into this dir (put first on PYTHONPATH) instead of site-packages; "
+                             "default: site-packages when writable, else a temp dir")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: tiny model, 4 steps, fp32; GPU-only items SKIP")
     parser.add_argument("--timeout", action="append", default=[], metavar="S|ITEM=S[,ITEM=S]",
@@ -797,8 +828,10 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "work": str(work), "budget_s": None if math.isinf(budget) else budget, "jobs": jobs, "seconds": 0}
     if args.wheels:
-        meta["wheels"] = install_wheels(args.wheels)
+        meta["wheels"] = install_wheels(args.wheels, args.site)
         print(f"wheels: {wheels_line(meta['wheels'])}", flush=True)
+        for line in meta["wheels"].get("pins", []):
+            print(f"pin not met: {line}", flush=True)
     meta["environment"] = environment(args.dry_run)
     ctx = Ctx(s=Settings.for_run(args.dry_run), work=work, launches_log=args.out / "launches.log")
     ctx.launches_log.touch()
