@@ -74,9 +74,20 @@ def _valid_messages(messages, key: str, expected: str = "a non-empty list of mes
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
             raise DataError(f"{where}message {i} needs a 'role' among {', '.join(ROLES)}")
-        if m.get("content") is None and not m.get("tool_calls"):
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
             raise DataError(f"{where}message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
+        if not (content is None or isinstance(content, str) or _text_parts(content)):
+            raise DataError(f"{where}message {i} ({m['role']}): 'content' must be a string (or a list of "
+                            f"{{'type': 'text', 'text': ...}} parts), got {type(content).__name__} {content!r:.40}; "
+                            "quote it in the data")
     return [dict(m) for m in messages]
+
+
+def _text_parts(content) -> bool:
+    """An OpenAI content list of text parts."""
+    return isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content)
 
 
 def _check_messages(messages, key: str) -> list[dict]:

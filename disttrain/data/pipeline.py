@@ -14,7 +14,7 @@ from disttrain.config import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import DocumentChunker, pack_rows
-from disttrain.data.preference import PAIR_INDEX, tokenize_pairs
+from disttrain.data.preference import PAIR_INDEX, render_pair, tokenize_pairs
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
 from disttrain.errors import DataError
@@ -58,17 +58,23 @@ def tokenize_batch(records: list, tokenizer, section: DataSection, source: Sourc
     Each conversation is rendered once; all texts of the batch go through one fast-tokenizer call.
     Preference records give data.preference.PAIR_COLUMNS instead.
     `where(i)` names record i in an error (file:line or record index)."""
-    examples = []
+    rendered = []
     for i, record in enumerate(records):
         try:
-            examples.append(to_example(record, source))
+            rendered.append(render_record(record, tokenizer, source))
         except DataError as exc:
             raise DataError(f"{where(i) if where else f'record {i}'}: {exc}") from None
     if source.format == "preference":
-        return tokenize_pairs(examples, tokenizer, section.max_seq_len)
-    rendered = [render(example, tokenizer) for example in examples]
+        return tokenize_pairs(rendered, tokenizer, section.max_seq_len)
     examples = [_example_fields(ids, labels, section) for ids, labels in tokenize_rendered(rendered, tokenizer)]
     return {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
+
+
+def render_record(record, tokenizer, source: SourceSection):
+    """One record as the template renders it, with what is learned (a preference pair: both sides); raises
+    DataError for what the format or the chat template cannot take."""
+    example = to_example(record, source)
+    return render_pair(example, tokenizer) if source.format == "preference" else render(example, tokenizer)
 
 
 def tokenize_record(record, tokenizer, section: DataSection, source: SourceSection | None = None) -> dict:
@@ -94,7 +100,7 @@ def _tokenize_source(raw, origin: str | None, tokenizer, section: DataSection, s
                        desc=f"tokenising {name} ({source.label()})")
     except DataError:
         if origin is not None and looks_local(origin):  # name the file's first bad record as file:line
-            validate_local_file(origin, source)
+            validate_local_file(origin, source, check=lambda record: render_record(record, tokenizer, source))
         raise
 
 

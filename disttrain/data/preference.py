@@ -74,12 +74,17 @@ def truncate_pair(chosen: tuple[list, list], rejected: tuple[list, list], max_le
     return cut[0], cut[1], True
 
 
-def tokenize_pairs(pairs: list[PreferencePair], tokenizer, max_len: int) -> dict:
-    """Columns PAIR_COLUMNS for a batch of pairs; every text goes through one fast-tokenizer call."""
-    rendered = [_rendered(p, side, tokenizer) for p in pairs for side in (p.chosen, p.rejected)]
-    encoded = tokenize_rendered(rendered, tokenizer)
+def render_pair(pair: PreferencePair, tokenizer) -> tuple:
+    """Both sides of a pair, each rendered with the prompt as one conversation."""
+    return tuple(_rendered(pair, side, tokenizer) for side in (pair.chosen, pair.rejected))
+
+
+def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict:
+    """Columns PAIR_COLUMNS for a batch of rendered pairs (render_pair); every text goes through one
+    fast-tokenizer call."""
+    encoded = tokenize_rendered([side for pair in rendered_pairs for side in pair], tokenizer)
     columns = {key: [] for key in PAIR_COLUMNS}
-    for i in range(len(pairs)):
+    for i in range(len(rendered_pairs)):
         chosen, rejected, truncated = truncate_pair(encoded[2 * i], encoded[2 * i + 1], max_len)
         columns["chosen_input_ids"].append(chosen[0])
         columns["chosen_labels"].append(chosen[1])

@@ -17,12 +17,12 @@ from disttrain.data.formats import to_example
 from disttrain.errors import DataError
 
 
-def check_record(record, where: str, source: SourceSection) -> None:
-    """One clear line for a record this source's format cannot read."""
+def check_record(record, where: str, source: SourceSection, check=None) -> None:
+    """One clear line for a record this source's format (or `check`, e.g. the chat template) cannot take."""
     if not isinstance(record, Mapping):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     try:
-        to_example(record, source)
+        (check or (lambda r: to_example(r, source)))(record)
     except DataError as exc:
         raise DataError(f"{where}: {exc}") from None
 
@@ -64,9 +64,9 @@ def local_files(path: str) -> list[str]:
     return [path]
 
 
-def validate_local_file(path: str, source: SourceSection) -> int:
-    """Scan local file(s) record by record (constant memory) and raise at the first record the format cannot
-    read, named file:line. Returns the number of records (-1 for parquet: columnar files name the row
+def validate_local_file(path: str, source: SourceSection, check=None) -> int:
+    """Scan local file(s) record by record (constant memory) and raise at the first record the format (or
+    `check`) cannot take, named file:line. Returns the number of records (-1 for parquet: columnar files name the row
     index during tokenisation instead)."""
     count = 0
     for file in local_files(path):
@@ -74,7 +74,7 @@ def validate_local_file(path: str, source: SourceSection) -> int:
         if p.suffix == ".parquet":
             return -1
         for where, record in _records(p):
-            check_record(record, where, source)
+            check_record(record, where, source, check)
             count += 1
     return count
 

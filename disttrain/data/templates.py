@@ -5,18 +5,27 @@ writes them in the full conversation: Qwen3's, for one, drops the reasoning of e
 the assistant's tokens are found in that one rendering:
 - templates with `{% generation %}` markers: transformers' assistant-token mask says which tokens are the
   assistant's;
-- any other template: each assistant turn starts where the template's assistant header ends (the text that
-  `add_generation_prompt` appends, e.g. `<|im_start|>assistant\\n`; templates without one start at the
-  message content) and ends with the first special token after its content (`<|im_end|>`, `<|eot_id|>`,
-  `</s>`): that end-of-turn token is learned too, so the model learns to stop. Tool calls rendered inside an
-  assistant turn are targets; tool results, prompts and system text are not. Characters map to tokens
-  through the fast tokenizer's offsets.
+- any other template: what the template writes around a reply is learned once from probe renderings
+  (`TurnLayout`: its assistant header, what closes the previous turn, its end-of-turn token). Then every
+  message is located in order in the rendering: a user or tool message moves a cursor past its own content,
+  so a reply starts after the message before it, never inside it, even when a short answer ("yes", "A",
+  "42") also occurs in the question. A reply starts after its header (header-less `[INST] ... [/INST]`
+  templates: after the user turn's closing) and ends with the template's end-of-turn token (`<|im_end|>`,
+  `<|eot_id|>`, `</s>`), which is learned too, so the model learns to stop. Tool calls rendered inside an
+  assistant turn are targets, even when their opener is a special token (Granite's `<|tool_call|>`); tool
+  results, prompts and system text are not. A turn that cannot be located is refused in one line.
+  Characters map to tokens through the fast tokenizer's offsets.
+Hand-written because transformers masks assistant tokens only for templates with generation markers, which
+few shipped templates have (TRL's assistant_only_loss needs them too).
 Without a chat template (base models) a plain `role: content` layout (Alpaca's prompt for alpaca records)
 is used, each answer followed by the EOS token.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass
 
 from disttrain.data.formats import Conversation
@@ -28,71 +37,202 @@ IGNORE_INDEX = -100
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
                  "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
 
-_HEADER_PROBE = [{"role": "user", "content": "x"}]
-
-
 def has_generation_markers(template: str | None) -> bool:
     return bool(template) and "generation" in template and "endgeneration" in template
 
 
-_HEADERS: dict[str, str] = {}  # chat template -> its assistant header (a cache; the tokenizer is not touched,
-                               # so `datasets` fingerprints of the tokenising function stay the same on every rank)
+# Probe conversation: texts no template rewrites and no default system prompt contains.
+_PROBE_USER, _PROBE_REPLY, _PROBE_NEXT = "disttrain-probe-question", "disttrain-probe-reply", "disttrain-probe-next"
 
 
-def _assistant_header(tokenizer) -> str:
-    """The text a template puts before an assistant's reply: what add_generation_prompt appends."""
-    template = tokenizer.chat_template
-    if template not in _HEADERS:
-        try:
-            without = tokenizer.apply_chat_template(_HEADER_PROBE, tokenize=False)
-            with_prompt = tokenizer.apply_chat_template(_HEADER_PROBE, tokenize=False, add_generation_prompt=True)
-            _HEADERS[template] = with_prompt[len(without):] if with_prompt.startswith(without) else ""
-        except Exception:  # a template that refuses the probe: spans start at the message content
-            _HEADERS[template] = ""
-    return _HEADERS[template]
+@dataclass(frozen=True)
+class TurnLayout:
+    """What one chat template writes around an assistant's reply, learned once from probe renderings.
+
+    header: the pieces (special tokens, words) of the assistant header as histories write it, matched with any
+        whitespace between them: what add_generation_prompt appends, as far as a rendered history repeats it
+        (DeepSeek-R1's `<think>` opener is only in the prompt), or, for header-less templates (`[INST] ...
+        [/INST] answer</s>`), what closes the user's turn; then `openers`, the prompt's further pieces, are
+        skipped where a history has them too.
+    closing: what the template writes between the previous message and the header, once markup (special and
+        added tokens) and whitespace are removed; a header counts for a turn only after that and nothing else.
+    end: the token that closes an assistant turn, from what the rendering puts right after a reply
+        (`<|im_end|>`, `</s>`, `<|eot_id|>`, `<end_of_turn>`); a tool-call opener is never an end.
+    """
+
+    header: tuple[str, ...]
+    openers: tuple[str, ...]
+    closing: str
+    end: str | None
+    markup: re.Pattern | None
+    # after the header and each further opener: whether the generation prompt goes on with whitespace (then the
+    # reply starts after the rendering's whitespace there; else the model writes it: Llama-2's " answer")
+    spaced: tuple[bool, ...] = (False,)
 
 
-_ENDERS: dict[tuple, list[str]] = {}  # (template, special tokens) -> end-of-turn tokens (a cache, like _HEADERS)
+_LAYOUTS: dict[tuple, TurnLayout] = {}  # a cache per (template, vocabulary); the tokenizer is not touched, so
+                                         # `datasets` fingerprints of the tokenising function stay the same
 
 
-def _end_of_turn_tokens(tokenizer, header: str) -> list[str]:
-    """Special tokens that can close an assistant turn: all special tokens but BOS and those of the header."""
-    key = (tokenizer.chat_template, tokenizer.bos_token, len(tokenizer))
-    if key not in _ENDERS:
-        _ENDERS[key] = _find_end_of_turn_tokens(tokenizer, header)
-    return _ENDERS[key]
+def _markup_tokens(tokenizer) -> list[str]:
+    tokens = set(tokenizer.all_special_tokens)
+    tokens |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return sorted((t for t in tokens if t), key=len, reverse=True)
 
 
-def _find_end_of_turn_tokens(tokenizer, header: str) -> list[str]:
-    specials = set(tokenizer.all_special_tokens)
-    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    return [t for t in specials if t and t != tokenizer.bos_token and t not in header]
+def _pieces(text: str, markup: re.Pattern | None) -> tuple[str, ...]:
+    """`text` as a sequence of markup tokens and whitespace-separated words."""
+    parts = markup.split(text) if markup else [text]
+    out: list[str] = []
+    for i, part in enumerate(parts):
+        out.extend([part] if i % 2 else part.split())  # re.split with one group: odd items are the tokens
+    return tuple(out)
+
+
+def _header_regex(pieces: tuple[str, ...]) -> re.Pattern:
+    return re.compile(r"\s*".join(map(re.escape, pieces)))
+
+
+_TAG = re.compile(r"<[^<>\s]{1,40}>")  # tags a template writes as text (`</tool_response>` where it is no token)
+
+
+def _strip_markup(text: str, markup: re.Pattern | None) -> str:
+    """`text` without markup tokens, tags and whitespace: what is left is prose."""
+    return "".join(_TAG.sub("", markup.sub("", text) if markup else text).split())
+
+
+def _render_probe(tokenizer, messages, **kwargs) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception:  # a template that refuses this probe (e.g. one that demands a system turn)
+        return None
+
+
+def turn_layout(tokenizer) -> TurnLayout:
+    key = (tokenizer.chat_template, len(tokenizer), tokenizer.bos_token, tokenizer.eos_token)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _learn_layout(tokenizer)
+    return _LAYOUTS[key]
+
+
+def _learn_layout(tokenizer) -> TurnLayout:
+    tokens = _markup_tokens(tokenizer)
+    markup = re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
+    user = [{"role": "user", "content": _PROBE_USER}]
+    reply = {"role": "assistant", "content": _PROBE_REPLY}
+    prompt, history = _render_probe(tokenizer, user, add_generation_prompt=True), _render_probe(tokenizer, user)
+    # what add_generation_prompt appends (Phi-3's template writes EOS instead when it is off: compare the two
+    # renderings from where they part)
+    shared = len(os.path.commonprefix([prompt, history])) if prompt and history else 0
+    generation = prompt[shared:] if shared else ""
+    text = (_render_probe(tokenizer, [*user, reply, {"role": "user", "content": _PROBE_NEXT}])
+            or _render_probe(tokenizer, [*user, reply]) or "")
+    glue, after = "", ""
+    if _PROBE_USER in text and _PROBE_REPLY in text:
+        between = text.index(_PROBE_USER) + len(_PROBE_USER)
+        reply_at = text.index(_PROBE_REPLY, between)
+        glue, after = text[between:reply_at], text[reply_at + len(_PROBE_REPLY):]
+    wanted = _pieces(generation, markup)
+    # how much of the generation prompt a rendered history repeats (R1's history lacks its `<think>` opener)
+    matched = next((n for n in range(len(wanted), 0, -1) if _header_regex(wanted[:n]).search(glue)), 0)
+    if matched:
+        header, openers = wanted[:matched], wanted[matched:]
+        spaced = tuple(generation[_header_regex(wanted[:n]).match(generation).end():][:1].isspace()
+                       for n in range(matched, len(wanted) + 1))
+    else:  # header-less ([INST] ... [/INST] answer): the reply follows what closes the user's turn
+        header, openers, spaced = _pieces(glue, markup), (), (False,)
+    closing = ""
+    if header and (found := _header_regex(header).search(glue)):
+        closing = _strip_markup(glue[:found.start()], markup)
+    bos = tokenizer.bos_token
+    ends = [m.group(0) for m in markup.finditer(after) if m.group(0) != bos] if markup else []
+    return TurnLayout(header, openers, closing, ends[0] if ends else None, markup, spaced)
+
+
+def _refuse(k: int, what: str) -> DataError:
+    return DataError(f"assistant turn {k + 1}: {what} in the chat template's rendering, so its tokens cannot be "
+                     "told apart from the prompt's; use a template with {% generation %} markers "
+                     "(docs/data.md#chat-templates) or check the record against the model's template")
+
+
+def _find_message(text: str, content: str, cursor: int) -> int:
+    """End of a prompt message's content in the rendering after `cursor`, or -1. Templates write it as it is
+    (trimmed) or as JSON (Llama-3.1's tool results)."""
+    found = [(at, -len(c)) for c in (content, json.dumps(content, ensure_ascii=False))
+             if (at := text.find(c, cursor)) >= 0]
+    if not found:
+        return -1
+    at, minus_length = min(found)  # the first occurrence; at one place the JSON form, which encloses the text
+    return at - minus_length
+
+
+def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
+    """Where this turn's header ends (openers and whitespace skipped), or -1 when the header that follows the
+    previous message is not there (R1 writes no header after tool results)."""
+    if not layout.header:
+        return -1
+    found = _header_regex(layout.header).search(text, cursor)
+    if not found or _strip_markup(text[cursor:found.start()], layout.markup) not in ("", layout.closing):
+        return -1
+    end, consumed = found.end(), 0
+    for piece in layout.openers:  # the prompt's openers, where the history writes them too
+        opener = re.compile(r"\s*" + re.escape(piece)).match(text, end)
+        if not opener:
+            break
+        end, consumed = opener.end(), consumed + 1
+    return len(text) - len(text[end:].lstrip()) if layout.spaced[consumed] else end
 
 
 def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in one rendering of `messages`, end-of-turn token included."""
-    header = _assistant_header(tokenizer)
-    enders = _end_of_turn_tokens(tokenizer, header)
-    spans, cursor = [], 0
-    for k, message in enumerate(m for m in messages if m["role"] == "assistant"):
-        content = str(message.get("content") or "").strip()
-        at_header = text.find(header, cursor) if header else -1
-        at_content = text.find(content, cursor) if content and at_header < 0 else -1
-        if at_header >= 0:  # the next assistant header after the previous turn is this turn's
-            start = at_header + len(header)
-        elif at_content >= 0:
-            start = at_content
+    """Character spans of the assistant turns in one rendering of `messages`, end-of-turn token included.
+
+    Every message is located in order: a user or tool message moves the cursor past its own content (a system
+    message only when nothing else precedes the reply: templates move it, into the first or the last user
+    turn), so a reply can never start inside the prompt, even when its text also occurs there."""
+    layout = turn_layout(tokenizer)
+    spans, cursor, waiting = [], 0, []
+    for message in messages:
+        if message["role"] != "assistant":
+            waiting.append(message)
+            continue
+        prompt = [m for m in waiting if m["role"] != "system"] or waiting
+        for m in prompt:
+            content = message_text(m).strip()
+            found = _find_message(text, content, cursor) if content else cursor
+            if found < 0 and m["role"] != "system":
+                raise _refuse(len(spans), f"the {m['role']} message before it is not found verbatim")
+            cursor = max(cursor, found)
+        waiting = []
+        k = len(spans)
+        content = message_text(message).strip()
+        start = _header_end(text, cursor, layout)
+        if start < 0:  # no header for this turn: the reply starts at its own content, with the whitespace the
+            at = text.find(content, cursor) if content else -1  # model writes before it (" answer</s>")
+            if at < 0:
+                raise _refuse(k, "neither its header nor its content is found")
+            start = cursor + len(text[cursor:at].rstrip())
+        at = text.find(content, start) if content else -1
+        if at >= 0 and layout.end and layout.end in text[start:at]:
+            at = -1  # that occurrence belongs to a later turn: the template rewrote this reply
+        after = at + len(content) if at >= 0 else start
+        closed = text.find(layout.end, after) if layout.end else -1
+        if closed >= 0:
+            end = closed + len(layout.end)
+        elif at >= 0:
+            end = after  # templates that close replies with no token (plain text ones)
         else:
-            raise DataError(f"assistant turn {k + 1} is not in the chat template's rendering of the conversation "
-                            "(the template drops or rewrites it); check the data against the model's template")
-        found = text.find(content, start) if content else -1
-        after = found + len(content) if found >= 0 else start
-        ends = [(text.find(t, after), t) for t in enders]
-        ends = [(pos, t) for pos, t in ends if pos >= 0]
-        end = min(pos + len(t) for pos, t in ends) if ends else after
+            raise _refuse(k, "its end is not found")
         spans.append((start, end))
         cursor = end
     return spans
+
+
+def message_text(message: dict) -> str:
+    """A message's text: its content string, or the text parts of an OpenAI content list."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
 
 
 def _plain_rendering(conversation: Conversation, tokenizer) -> tuple[str, list[tuple[int, int]]]:
@@ -170,14 +310,24 @@ def render(example: Conversation | str, tokenizer) -> Rendered:
     if not template:
         text, spans = _plain_rendering(example, tokenizer)
         return Rendered(text, spans, _bos(tokenizer))
-    kwargs = {"tools": example.tools} if example.tools else {}
     if has_generation_markers(template):
-        out = tokenizer.apply_chat_template(example.messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **kwargs)
+        out = apply_template(tokenizer, example, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         return Rendered(None, [], [], ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"])])
-    text = tokenizer.apply_chat_template(example.messages, tokenize=False, **kwargs)
+    text = apply_template(tokenizer, example, tokenize=False)
     return Rendered(text, assistant_spans(text, example.messages, tokenizer), [])
+
+
+def apply_template(tokenizer, conversation: Conversation, **kwargs):
+    """The chat template applied to a conversation; its own refusals (`raise_exception(...)`: "Conversation
+    roles must alternate", "System role not supported") and its failures become one DataError line."""
+    if conversation.tools:
+        kwargs["tools"] = conversation.tools
+    try:
+        return tokenizer.apply_chat_template(conversation.messages, **kwargs)
+    except Exception as exc:  # jinja2's TemplateError for raise_exception, TypeError/KeyError inside a template
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"the chat template refused this conversation: {message}") from None
 
 
 def tokenize_rendered(items: list[Rendered], tokenizer) -> list[tuple[list[int], list[int]]]:
