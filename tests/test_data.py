@@ -200,6 +200,22 @@ def test_flattened_packed_batch_has_the_same_loss_targets_and_eval_rows(tiny_mod
     assert results[1][1].shape == (2, 2)
 
 
+def test_flattened_chunks_that_start_mid_document_train_nothing_across_rows(tokenizer):
+    """concat_and_chunk + chunk_isolate_documents: rows start mid-document with a label on their first token.
+    Side by side nothing predicts it; flattened, the previous row's last token must not either."""
+    from disttrain.data import chunk_documents
+
+    docs = [tokenizer("apple river stone tiger")["input_ids"] * 3, tokenizer("paper window")["input_ids"] * 4]
+    rows, _ = chunk_documents(docs, 8, isolate=True)
+    rows = [dict(zip(rows, values)) for values in zip(*rows.values())][:3]
+    assert any(r["labels"][0] != IGNORE_INDEX for r in rows[1:]), "the data must hold a row that starts mid-document"
+    side_by_side = Collator(tokenizer.pad_token_id)(rows)
+    flat = Collator(tokenizer.pad_token_id, flatten_packed=True)(rows)
+    assert int(count_targets(flat)) == int(count_targets(side_by_side))
+    for start in flat["cu_seq_lens_q"].tolist()[:-1]:
+        assert flat["labels"][0, start] == IGNORE_INDEX
+
+
 def test_collator_pads_right_and_counts(tokenizer):
     batch = Collator(tokenizer.pad_token_id)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
                                               {"input_ids": [8, 9], "labels": [-100, 9]}])

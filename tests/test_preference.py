@@ -207,3 +207,42 @@ def test_objective_and_reference_settings_are_checked():
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=message):
             load_recipe(REPO / "recipes/tiny/sft.yaml", overrides)
+
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+@pytest.mark.parametrize("system, opening", [
+    ("Answer with one word.", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nAnswer with one word."
+                              "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"),
+    ("Be brief. " * 30, "<|begin_of_text|>"),  # no room for the whole opening: BOS alone
+])
+def test_truncation_keeps_bos_and_the_system_turn_and_cuts_the_oldest_prompt_text(system, opening, tokenizer):
+    """A long prompt is cut in its middle: BOS, the system turn and the user header stay (before the fix the
+    prompt lost its start, BOS and system prompt included), its last words and both responses stay."""
+    import copy
+
+    from disttrain.data.pipeline import tokenize_batch
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": LLAMA3_SPECIALS})
+    tok.bos_token, tok.chat_template = "<|begin_of_text|>", LLAMA3
+    pair = {"prompt": [{"role": "system", "content": system},
+                       {"role": "user", "content": "apple river " * 40 + "Which word came first?"}],
+            "chosen": "apple", "rejected": "river"}
+    sec = DataSection(path="x.jsonl", format="preference", max_seq_len=64)
+    columns = tokenize_batch([pair], tok, sec, sec.all_sources()[0])
+    assert columns["truncated"] == [True] and columns["n_targets"][0] > 0
+    for side, answer in (("chosen", "apple"), ("rejected", "river")):
+        ids = columns[f"{side}_input_ids"][0]
+        text = tok.decode(ids)
+        assert len(ids) <= 64 and text.startswith(opening), text
+        assert text.endswith("Which word came first?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+                             f"{answer}<|eot_id|>"), text
+        labels = columns[f"{side}_labels"][0]
+        assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == f"{answer}<|eot_id|>"
+    chosen, rejected = columns["chosen_input_ids"][0], columns["rejected_input_ids"][0]
+    assert chosen[:-3] == rejected[:-3]  # the same prompt tokens on both sides

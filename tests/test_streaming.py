@@ -41,18 +41,18 @@ def take(it, n):
     return [next(it)["input_ids"] for _ in range(n)]
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_resume_is_exact_across_passes(shards, tokenizer, packing):
+@pytest.mark.parametrize("packing, world", [(False, 2), (True, 2), (False, 3)])  # 3: one record in 3 per rank
+def test_resume_is_exact_across_passes(shards, tokenizer, packing, world):
     """Stopped anywhere (inside the first pass, or in the second), a new loader given the saved state yields
     exactly what the uninterrupted one yields next; the state survives JSON (it goes into checkpoints)."""
     sec = section(shards, packing=packing)
-    reference = loader(sec, tokenizer)
+    reference = loader(sec, tokenizer, world=world)
     full = take(iter(reference), 90)
     assert reference.passes >= 1, "the test must cross into a second pass over the rank's shards"
     for stop in (7, 70):
-        first = loader(sec, tokenizer)
+        first = loader(sec, tokenizer, world=world)
         head = take(iter(first), stop)
-        resumed = loader(sec, tokenizer)
+        resumed = loader(sec, tokenizer, world=world)
         resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
         tail = take(iter(resumed), 90 - stop)
         assert all(torch.equal(a, b) for a, b in zip(full, head + tail)), f"stopped after {stop} batches"
@@ -144,3 +144,34 @@ def test_stopped_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, ti
         b_vals = {r["step"]: r[key] for r in b_lines if key in r}
         assert sorted(b_vals) == sorted(a_vals) and b_vals == pytest.approx(a_vals, rel=1e-6, abs=1e-7), key
     assert len({r["step"] for r in a_lines if "loss" in r}) == STEPS
+
+
+def test_ranks_that_cannot_split_files_tokenise_only_their_own_records(shards, tokenizer, monkeypatch):
+    """4 files for 3 ranks: each rank reads everything but tokenises one record in 3 (before the fix every rank
+    tokenised and packed the whole stream and kept one packed row in 3); together the ranks cover every record
+    once. In a mixture each source is split its own way, and the note names exactly the one that cannot be."""
+    tokenised = []
+    real = streaming.tokenize_batch
+    monkeypatch.setattr(streaming, "tokenize_batch", lambda records, *a, **k: (tokenised.append(len(records)),
+                                                                               real(records, *a, **k))[1])
+    seen = []
+    for rank in range(3):
+        tokenised.clear()
+        rows = list(stream_rows(section(shards, shuffle=False), tokenizer, 0, rank, 3))
+        assert sum(tokenised) == len(rows) == FILES * 60 // 3
+        seen += [tokenizer.decode(r["input_ids"]) for r in rows]
+    assert len(seen) == len(set(seen)) == FILES * 60
+    single = shards.parent / "single.jsonl"
+    single.write_text("".join(json.dumps({"instruction": f"Say single {r}.", "output": "stone"}) + "\n"
+                              for r in range(30)))
+    mixture = DataSection(sources=[{"path": str(shards / "part-*.jsonl"), "format": "alpaca", "name": "files"},
+                                   {"path": str(single), "format": "alpaca", "name": "single"}],
+                          max_seq_len=64, streaming=True, shuffle=False)
+    notes = streaming.shards_note(mixture, 2)
+    assert len(notes) == 1 and "streaming single: 1 shard(s) for 2 ranks" in notes[0]
+    texts = {rank: [tokenizer.decode(r["input_ids"]) for r in stream_rows(mixture, tokenizer, 0, rank, 2)]
+             for rank in (0, 1)}
+    files = {rank: {t.split("file ")[1].split(" ")[0] for t in texts[rank] if "file " in t} for rank in (0, 1)}
+    singles = {rank: {t for t in texts[rank] if "single" in t} for rank in (0, 1)}
+    assert files[0].isdisjoint(files[1]) and len(files[0]) == len(files[1]) == 2  # own files
+    assert singles[0] and singles[1] and singles[0].isdisjoint(singles[1])  # one record in two each

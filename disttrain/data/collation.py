@@ -67,14 +67,17 @@ class Collator:
 
     @staticmethod
     def _flattened(rows: list[dict]) -> dict:
-        """One row of all examples. Every example's first label is already IGNORE_INDEX (pack_rows), so no
-        token is trained to predict the next row's first token; the loss equals the unflattened batch's."""
+        """One row of all examples. The first token of every sequence (position 0) is no target: in a row of
+        its own nothing predicts it, and flattened the previous row's last token would (a concat-and-chunk
+        row starts mid-document with a label there), so the loss equals the unflattened batch's."""
         ids, labels, positions = [], [], []
         for r in rows:
             ids += r["input_ids"]
             labels += r["labels"]
             positions += r["position_ids"]
         starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        for start in starts[:-1]:
+            labels[start] = IGNORE_INDEX
         longest = max(b - a for a, b in zip(starts, starts[1:]))
         boundaries = torch.tensor(starts, dtype=torch.int32)
         return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),

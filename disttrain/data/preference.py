@@ -2,9 +2,10 @@
 
 Each response is rendered with its prompt as one conversation (the chat template applied once, as for SFT)
 and only the response's assistant tokens are scored (its end-of-turn token included). Truncation to
-max_seq_len keeps the end of the prompt and the start of the responses: the responses get at least half of
-the row (or all they need), the prompt the rest, cut from its beginning; chosen and rejected lose the same
-prompt tokens. A pair left without a scored token on either side is dropped and counted.
+max_seq_len keeps the prompt's opening (BOS, the system turn, the first user header), the end of the prompt
+and the start of the responses: the responses get at least half of the row (or all they need), the prompt
+the rest, cut in its middle (the oldest text after the opening); chosen and rejected lose the same prompt
+tokens. A pair left without a scored token on either side is dropped and counted.
 
 A batch of n pairs is 2n rows: the n chosen responses, then the n rejected ones, so both sides of a pair are
 always in the same micro-batch. `PAIR_INDEX` (the pair's row in the training set) lets precomputed
@@ -19,7 +20,7 @@ import torch
 
 from disttrain.data.collation import LENGTHS_KEY, SQUARES_KEY
 from disttrain.data.formats import Conversation, PreferencePair
-from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
+from disttrain.data.templates import IGNORE_INDEX, message_text, render, tokenize_rendered
 
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "n_targets",
                 "n_tokens", "truncated")
@@ -44,9 +45,18 @@ def _rendered(pair: PreferencePair, response: list[dict], tokenizer):
     scored = sum(1 for m in response if m["role"] == "assistant")
     if rendered.text is not None:
         rendered.spans = rendered.spans[-scored:]  # the prompt's own assistant turns are context, not scored
+        rendered.opening = _opening(rendered.text, pair.prompt)
     else:
         rendered.labels = _last_runs(rendered.labels, scored)
     return rendered
+
+
+def _opening(text: str, prompt: list[dict]) -> int:
+    """Where the first user message's text starts in the rendering: what comes before it (BOS, the system
+    turn, the user header) is kept when the prompt is cut."""
+    first = next((message_text(m).strip() for m in prompt if m["role"] == "user"), "")
+    at = text.find(first) if first else -1
+    return max(at, 0)
 
 
 def _prompt_length(labels: list[int]) -> int:
@@ -57,20 +67,25 @@ def _targets(labels: list[int]) -> int:
     return len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
 
 
-def truncate_pair(chosen: tuple[list, list], rejected: tuple[list, list], max_len: int):
-    """(chosen, rejected, truncated): both sequences at most max_len, keeping the prompt's end and the
-    responses' start."""
+def truncate_pair(chosen: tuple, rejected: tuple, max_len: int, bos_id: int | None = None):
+    """(chosen, rejected, truncated): both sequences at most max_len, keeping the prompt's opening (BOS, the
+    system turn, the first user header: the third item of each side, in tokens), the prompt's end and the
+    responses' start: the tokens cut are the oldest ones after the opening. An opening longer than the room
+    left keeps only its first token if that is BOS (Gemma degrades badly without it)."""
     if max(len(chosen[0]), len(rejected[0])) <= max_len:
-        return chosen, rejected, False
-    prompts = [_prompt_length(labels) for _, labels in (chosen, rejected)]
-    longest_response = max(len(ids) - p for (ids, _), p in zip((chosen, rejected), prompts))
+        return chosen[:2], rejected[:2], False
+    prompts = [_prompt_length(side[1]) for side in (chosen, rejected)]
+    longest_response = max(len(side[0]) - p for side, p in zip((chosen, rejected), prompts))
     response_budget = min(longest_response, max(max_len - max(prompts), max_len // 2))
     prompt_budget = max_len - response_budget
     cut = []
-    for (ids, labels), p in zip((chosen, rejected), prompts):
-        drop = max(p - prompt_budget, 0)  # from the prompt's beginning
+    for (ids, labels, *opening), p in zip((chosen, rejected), prompts):
+        drop = max(p - prompt_budget, 0)
+        keep = opening[0] if opening else 0
+        if keep > p - drop:  # no room for the whole opening: BOS alone, where there is one
+            keep = 1 if bos_id is not None and ids[0] == bos_id and p - drop >= 1 else 0
         end = p + response_budget
-        cut.append((ids[drop:end], labels[drop:end]))
+        cut.append((ids[:keep] + ids[keep + drop:end], labels[:keep] + labels[keep + drop:end]))
     return cut[0], cut[1], True
 
 
@@ -82,10 +97,11 @@ def render_pair(pair: PreferencePair, tokenizer) -> tuple:
 def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict:
     """Columns PAIR_COLUMNS for a batch of rendered pairs (render_pair); every text goes through one
     fast-tokenizer call."""
-    encoded = tokenize_rendered([side for pair in rendered_pairs for side in pair], tokenizer)
+    encoded = tokenize_rendered([side for pair in rendered_pairs for side in pair], tokenizer, openings=True)
     columns = {key: [] for key in PAIR_COLUMNS}
     for i in range(len(rendered_pairs)):
-        chosen, rejected, truncated = truncate_pair(encoded[2 * i], encoded[2 * i + 1], max_len)
+        chosen, rejected, truncated = truncate_pair(encoded[2 * i], encoded[2 * i + 1], max_len,
+                                                    tokenizer.bos_token_id)
         columns["chosen_input_ids"].append(chosen[0])
         columns["chosen_labels"].append(chosen[1])
         columns["rejected_input_ids"].append(rejected[0])

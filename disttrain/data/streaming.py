@@ -1,10 +1,13 @@
 """data.streaming: training data read as a stream, never materialised on disk or in RAM.
 
 Each source becomes a `datasets` IterableDataset (local files, a glob of files, or a hub dataset), split
-between ranks by `datasets.distributed.split_dataset_by_node` before anything is tokenised: with a number of
-shards (files) divisible by the world size every rank reads only its own files; otherwise every rank reads
-all of them and keeps one example in world_size. Records are then tokenised in batches, examples without
-targets dropped, sources interleaved by weight and rows packed or chunked, all lazily.
+between ranks source by source before anything is tokenised: with a number of shards (files) divisible by
+the world size every rank reads only its own files (`IterableDataset.shard`); otherwise every rank reads all
+of them but keeps, and tokenises, only one record in world_size. (`split_dataset_by_node` is not used: it
+decides at iteration time on the whole pipeline, so in its examples mode every rank tokenised and packed the
+whole stream and kept one packed row in N, and a mixture's mode followed its smallest shard count.) Records
+are then tokenised in batches, examples without targets dropped, sources interleaved by weight and rows
+packed or chunked, all lazily.
 
 Exact resume without replaying the stream: `IterableDataset.state_dict()` records, for every stage, where
 its current batch started and how many outputs were already handed out. The loader keeps the state after
@@ -56,28 +59,40 @@ def _tokenizer_fn(source: SourceSection, tokenizer, section: DataSection):
     return _tokenize
 
 
+def _reads_own_shards(raw, world_size: int) -> bool:
+    return raw.num_shards % world_size == 0
+
+
+def _rank_share(raw, rank: int, world_size: int):
+    """This rank's records of one source, chosen before anything is tokenised: its own shards, or (shards not
+    divisible by the ranks) every world_size-th record of the stream."""
+    if world_size == 1:
+        return raw
+    if _reads_own_shards(raw, world_size):
+        return raw.shard(num_shards=world_size, index=rank, contiguous=False)
+    return raw.filter(lambda _, indices: [i % world_size == rank for i in indices], with_indices=True,
+                      batched=True, batch_size=MAP_BATCH)
+
+
 def shards_note(section: DataSection, world_size: int) -> list[str]:
     """A line per source whose shards cannot be split evenly between ranks (each rank then reads everything)."""
     notes = []
     for source in section.all_sources():
-        shards = _open(source).num_shards
-        if world_size > 1 and shards % world_size:
-            notes.append(f"data[train]: streaming {source.label()}: {shards} shard(s) for {world_size} ranks, so "
-                         f"every rank reads all of them and keeps 1 example in {world_size}; give a multiple of "
-                         f"{world_size} files (e.g. a glob) for each rank to read only its own")
+        raw = _open(source)
+        if world_size > 1 and not _reads_own_shards(raw, world_size):
+            notes.append(f"data[train]: streaming {source.label()}: {raw.num_shards} shard(s) for {world_size} "
+                         f"ranks, so every rank reads all of them and keeps 1 record in {world_size}; give a multiple "
+                         f"of {world_size} files (e.g. a glob) for each rank to read only its own")
     return notes
 
 
 def stream_rows(section: DataSection, tokenizer, seed: int, rank: int, world_size: int):
     """This rank's rows (input_ids, labels[, position_ids]) as a `datasets.IterableDataset`."""
-    from datasets.distributed import split_dataset_by_node
-
     parts = []
     for source in section.all_sources():
-        raw = _open(source)
+        raw = _rank_share(_open(source), rank, world_size)
         if section.shuffle:
             raw = raw.shuffle(seed=seed, buffer_size=1)  # shard order per pass; no buffer to lose on resume
-        raw = split_dataset_by_node(raw, rank=rank, world_size=world_size)
         tokenized = raw.map(_tokenizer_fn(source, tokenizer, section), with_indices=True, batched=True,
                             batch_size=MAP_BATCH, remove_columns=raw.column_names)
         tokenized = tokenized.select_columns(list(EXAMPLE_COLUMNS))

@@ -265,6 +265,7 @@ class Rendered:
     prefix: list[int]
     ids: list[int] | None = None
     labels: list[int] | None = None
+    opening: int = 0  # characters of `text` a truncation keeps first (preference pairs: BOS, system, header)
 
 
 def _check_fast(tokenizer) -> None:
@@ -330,8 +331,9 @@ def apply_template(tokenizer, conversation: Conversation, **kwargs):
         raise DataError(f"the chat template refused this conversation: {message}") from None
 
 
-def tokenize_rendered(items: list[Rendered], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(ids, labels) of each rendered example; every text goes through ONE batched fast-tokenizer call."""
+def tokenize_rendered(items: list[Rendered], tokenizer, openings: bool = False) -> list[tuple]:
+    """(ids, labels) of each rendered example; every text goes through ONE batched fast-tokenizer call.
+    With `openings`: (ids, labels, the number of tokens before the example's `opening` character)."""
     texts = [r.text for r in items if r.text is not None]
     if texts:
         _check_fast(tokenizer)
@@ -339,10 +341,15 @@ def tokenize_rendered(items: list[Rendered], tokenizer) -> list[tuple[list[int],
     out = []
     for r in items:
         if r.text is None:
-            out.append((r.ids, r.labels))
+            out.append((r.ids, r.labels, len(r.prefix)) if openings else (r.ids, r.labels))
             continue
         encoding = next(encodings)
-        out.append((r.prefix + encoding.ids, [IGNORE_INDEX] * len(r.prefix) + labels_from_spans(encoding, r.spans)))
+        ids, labels = r.prefix + encoding.ids, [IGNORE_INDEX] * len(r.prefix) + labels_from_spans(encoding, r.spans)
+        if openings:
+            token = encoding.char_to_token(r.opening) if 0 < r.opening < len(r.text) else None
+            out.append((ids, labels, len(r.prefix) + (token or 0)))
+        else:
+            out.append((ids, labels))
     return out
 
 
