@@ -327,6 +327,10 @@ def test_layouts_learned_from_the_templates(tokenizer):
     assert layouts["granite"].end == "<|end_of_text|>"  # not <|tool_call|>
     assert layouts["qwen3"].header == ("<|im_start|>", "assistant") and layouts["qwen3"].end == "<|im_end|>"
     assert layouts["zephyr"].header == ("<|assistant|>",) and layouts["zephyr"].closing == ""
+    strict = family_tokenizer(tokenizer, "zephyr", "compact", markers=False)  # refuses a conversation without
+    strict.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('A system message is '"
+                            "'required') }}{% endif %}" + strict.chat_template)  # a system turn: probed with one
+    assert turn_layout(strict) == layouts["zephyr"]
 
 
 def test_template_refusals_and_wrong_content_types_are_one_line_naming_the_record(tokenizer, tmp_path):

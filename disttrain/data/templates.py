@@ -37,6 +37,7 @@ IGNORE_INDEX = -100
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
                  "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
 
+
 def has_generation_markers(template: str | None) -> bool:
     return bool(template) and "generation" in template and "endgeneration" in template
 
@@ -102,10 +103,14 @@ def _strip_markup(text: str, markup: re.Pattern | None) -> str:
 
 
 def _render_probe(tokenizer, messages, **kwargs) -> str | None:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception:  # a template that refuses this probe (e.g. one that demands a system turn)
-        return None
+    """The probe rendered, or None where the template refuses it; templates that demand a system turn get
+    one."""
+    for opening in ([], [{"role": "system", "content": "disttrain-probe-system"}]):
+        try:
+            return tokenizer.apply_chat_template([*opening, *messages], tokenize=False, **kwargs)
+        except Exception:
+            continue
+    return None
 
 
 def turn_layout(tokenizer) -> TurnLayout:
@@ -247,10 +252,10 @@ def _plain_rendering(conversation: Conversation, tokenizer) -> tuple[str, list[t
     for message in conversation.messages:
         if message["role"] == "assistant":
             text += "assistant: "
-            spans.append((len(text), len(text) + len(str(message.get("content") or "")) + len(eos)))
-            text += str(message.get("content") or "") + eos + "\n"
+            spans.append((len(text), len(text) + len(message_text(message)) + len(eos)))
+            text += message_text(message) + eos + "\n"
         else:
-            text += f"{message['role']}: {message.get('content') or ''}\n"
+            text += f"{message['role']}: {message_text(message)}\n"
     return text, spans
 
 
