@@ -40,7 +40,7 @@ def main(argv=None):
 
     from disttrain import checkpoint, compat, data, hub, loop, modeling, optim, outputs
     from disttrain.backends import (build_accelerator, has_gpu, launcher_strategy, run_label, set_deepspeed_micro_batch,
-                                    shards_weights, world_size)
+                                    shards_weights, world_size, zero_stage)
     from disttrain.loss import TokenLoss
     from disttrain.metrics import MetricsLogger
     from disttrain.preference import PreferenceLoss, prepare_reference
@@ -62,7 +62,7 @@ def main(argv=None):
     cfg = recipe.training
     streaming = recipe.data.streaming
     shape = checkpoint.RunShape(accelerator.num_processes, "ddp" if strategy == "single" else strategy,
-                                cfg.micro_batch_size, cfg.grad_accum, streaming)
+                                cfg.micro_batch_size, cfg.grad_accum, streaming, zero_stage())
     checkpoint.check_fresh_start(recipe.output.dir, recipe.output.resume)  # never mix two runs' checkpoints
     resume_from = checkpoint.find(recipe.output.dir, recipe.output.resume)
     if resume_from is not None:  # fail on a bad checkpoint now, not after loading the model

@@ -9,6 +9,7 @@ machine without an accelerator the same configs run over gloo:
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 
@@ -26,11 +27,35 @@ def launcher_strategy() -> str:
     return "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
 
 
+def _deepspeed_zero() -> tuple[int | None, bool]:
+    """(ZeRO stage, anything offloaded) of a DeepSpeed launch. accelerate exports the stage only when the
+    config names it inline; with a DeepSpeed JSON (as every shipped config has) it lives in that file."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    offload = any(os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{what}_DEVICE", "none") not in ("none", "")
+                  for what in ("OPTIMIZER", "PARAM"))
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            zero = json.load(f).get("zero_optimization", {})
+        stage = zero.get("stage", stage)
+        offload = any(str(zero.get(key, {}).get("device", "none")) != "none"
+                      for key in ("offload_optimizer", "offload_param"))
+    return (int(stage) if stage not in (None, "", "auto") else None), offload
+
+
+def zero_stage() -> int | None:
+    return _deepspeed_zero()[0] if launcher_strategy() == "deepspeed" else None
+
+
 def run_label() -> str:
-    """The strategy as output.dir's {strategy} names it: single, ddp, fsdp, zero1, zero2, zero3."""
+    """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
+    ddp, fsdp, fsdp_offload, zero1, zero2, zero3, zero3_offload."""
     strategy = launcher_strategy()
     if strategy == "deepspeed":
-        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
+        stage, offload = _deepspeed_zero()
+        return f"zero{'' if stage is None else stage}{'_offload' if offload else ''}"
+    if strategy == "fsdp" and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        return "fsdp_offload"
     return strategy
 
 

@@ -51,6 +51,7 @@ class RunShape:
     micro_batch_size: int
     grad_accum: int
     streaming: bool = False  # per-rank stream positions: resumable only by the same number of ranks
+    zero_stage: int | None = None  # DeepSpeed: another stage's optimizer/weight shards do not load
 
     @property
     def global_batch(self) -> int:
@@ -206,6 +207,13 @@ def check_shape(checkpoint: Path, current: RunShape) -> dict:
                               f"({saved.strategy}), or train under {current.strategy} in a new directory "
                               f"(output.dir={run_dir}-{current.strategy}, or put {{strategy}} in output.dir as the "
                               "shipped recipes do)")
+    if None not in (saved.zero_stage, current.zero_stage) and saved.zero_stage != current.zero_stage:
+        run_dir = checkpoint.parent.parent
+        raise CheckpointError(f"checkpoint {checkpoint} was written under ZeRO-{saved.zero_stage}, this run is "
+                              f"ZeRO-{current.zero_stage}: DeepSpeed cannot load one's shards into the other; continue "
+                              f"that run with accelerate_configs/zero{saved.zero_stage}.yaml, or train under "
+                              f"ZeRO-{current.zero_stage} in a new directory (output.dir={run_dir}-zero"
+                              f"{current.zero_stage}, or put {{strategy}} in output.dir as the shipped recipes do)")
     if saved.world_size != current.world_size and current.strategy == "deepspeed":
         # DeepSpeed copies its conversion script next to the tag dir (accelerate's tag: pytorch_model/)
         script = next(iter(sorted(checkpoint.rglob("zero_to_fp32.py"))), None)

@@ -208,9 +208,9 @@ RUN_PLACEHOLDERS = ("strategy", "processes")
 
 
 class OutputSection(_Section):
-    dir: str = Field(description="Where the run writes; {strategy} (single, ddp, fsdp, zero1/2/3) and {processes} "
-                     "are filled in at launch, so runs of the same recipe under other strategies or world sizes "
-                     "get their own directories")
+    dir: str = Field(description="Where the run writes; {strategy} (the accelerate config's name: single, ddp, "
+                     "fsdp, fsdp_offload, zero1/2/3, zero3_offload) and {processes} are filled in at launch, so "
+                     "runs of the same recipe under other strategies or world sizes get their own directories")
     save_final_model: bool = True
     checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
     checkpoint_at_end: bool = True

@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping without processes: which checkpoints pruning keeps, and which directory a new run
 refuses. (Saving and resuming real states under every strategy: tests/test_resume.py.)"""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,45 @@ def test_another_strategys_checkpoint_names_both_ways_out(tmp_path):
     message = str(error.value)
     assert "written under ddp, this run is fsdp" in message
     assert "its own accelerate config (ddp)" in message and f"output.dir={tmp_path / 'run'}-fsdp" in message
+
+
+@pytest.mark.parametrize("config, label, stage", [
+    ("zero1", "zero1", 1), ("zero2", "zero2", 2), ("zero3", "zero3", 3), ("zero3_offload", "zero3_offload", 3),
+    ("fsdp", "fsdp", None), ("fsdp_offload", "fsdp_offload", None), ("ddp", "ddp", None)])
+def test_strategy_names_the_zero_stage_and_offload_as_the_config_files_do(config, label, stage, monkeypatch):
+    """{strategy} was `zero` for every ZeRO stage (the stage lives in the DeepSpeed JSON, not in the variable
+    read), so `make train-zero2` then `make train-zero3` shared a directory. The environment is the one
+    `accelerate launch` builds from the shipped config file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from disttrain import backends
+    from disttrain.launcher import REPO as ROOT
+
+    for key in list(os.environ):
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(key)
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+                                               "--num_processes", "2", "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    env = prepare_deepspeed_cmd_env(args)[1] if args.use_deepspeed else prepare_multi_gpu_env(args)
+    monkeypatch.chdir(ROOT)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert backends.run_label() == label and backends.zero_stage() == stage
+
+
+def test_a_zero2_checkpoint_is_refused_by_zero3_in_one_line(tmp_path):
+    saver = Checkpointer(OneProcess(), tmp_path / "run", every=1, at_end=True, keep_last=2,
+                         shape=RunShape(2, "deepspeed", 1, 1, zero_stage=2))
+    saver.save(TrainState(step=3))
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_shape(saver.last_saved, RunShape(2, "deepspeed", 1, 1, zero_stage=3))
+    message = str(error.value)
+    assert "written under ZeRO-2, this run is ZeRO-3" in message and "accelerate_configs/zero2.yaml" in message
+    assert f"output.dir={tmp_path / 'run'}-zero3" in message and "\n" not in message
+    checkpoint.check_shape(saver.last_saved, RunShape(2, "deepspeed", 1, 1, zero_stage=2))  # the same stage: fine
+    checkpoint.check_shape(saver.last_saved, RunShape(2, "deepspeed", 1, 1))  # older checkpoints carry no stage
