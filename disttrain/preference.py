@@ -225,23 +225,15 @@ def _score(accelerator, model, objective: PreferenceLoss, loader, pairs: int) ->
 
 
 def precompute_reference(accelerator, model, objective: PreferenceLoss, loaders: dict, out_dir: str | Path,
-                         fingerprint: str) -> dict[str, torch.Tensor]:
+                         fingerprint: dict[str, str]) -> dict[str, torch.Tensor]:
     """Reference log-probs of every pair of every split ({name: (prepared unshuffled loader, pairs)}) with the
     current -- initial -- weights, or the ones this run saved before (a resumed run must not recompute them
     from trained weights). Saved atomically by the main process to <out_dir>/reference_logps.safetensors."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     path = Path(out_dir) / REFERENCE_FILE
     if path.is_file():
-        with safe_open(str(path), "pt") as f:
-            saved, tables = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
-        sizes = {name: pairs for name, (_, pairs) in loaders.items()}
-        saved_sizes = {name: table.shape[0] for name, table in tables.items()}
-        if saved.get("fingerprint") != fingerprint or saved_sizes != sizes:
-            raise DisttrainError(f"{path} holds reference log-probs of other data ({saved_sizes} pairs, fingerprint "
-                                 f"{saved.get('fingerprint')}; this run: {sizes}, {fingerprint}): delete it to "
-                                 "recompute them, or use a new output.dir")
+        tables = read_reference(path, {name: pairs for name, (_, pairs) in loaders.items()}, fingerprint)
         accelerator.print(f"preference: reference log-probs read from {path} (not recomputed)")
         return tables
     model.eval()
@@ -250,12 +242,44 @@ def precompute_reference(accelerator, model, objective: PreferenceLoss, loaders:
     if accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file(tables, str(tmp), metadata={"fingerprint": fingerprint})
+        save_file(tables, str(tmp), metadata=fingerprint)
         tmp.replace(path)
     accelerator.wait_for_everyone()
     accelerator.print(f"preference: reference log-probs of {sum(t.shape[0] for t in tables.values())} pairs computed "
                       f"with the initial weights -> {path}")
     return tables
+
+
+def read_reference(path: Path, sizes: dict[str, int], fingerprint: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Saved reference log-probs, if they belong to this run's data and model (`fingerprint`: reference_key);
+    else one line saying what differs."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        saved, tables = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+    saved_sizes = {name: table.shape[0] for name, table in tables.items()}
+    if saved.get("model") != fingerprint["model"]:
+        raise DisttrainError(f"{path} holds reference log-probs of another model ({saved.get('model', 'not recorded')}"
+                             f"; this run: {fingerprint['model']}): delete it to recompute them with this model, or "
+                             "use a new output.dir")
+    if saved.get("data") != fingerprint["data"] or saved_sizes != sizes:
+        raise DisttrainError(f"{path} holds reference log-probs of other data ({saved_sizes} pairs, fingerprint "
+                             f"{saved.get('data')}; this run: {sizes}, {fingerprint['data']}): delete it to "
+                             "recompute them, or use a new output.dir")
+    return tables
+
+
+def reference_key(recipe, train_set, eval_sets: dict) -> dict[str, str]:
+    """What saved reference log-probs belong to: the prepared splits (their `datasets` fingerprints) and the
+    model that scored them (path, revision, dtype, and for a local directory its weight files' sizes and
+    times: an SFT checkpoint written over the same path is another model)."""
+    spec = recipe.model
+    model = f"{spec.name_or_path}@{spec.revision or 'default'} {spec.dtype}"
+    local = Path(spec.name_or_path)
+    if local.is_dir():
+        weights = sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin"))
+        model += " " + ",".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    return {"data": data_fingerprint(train_set, eval_sets), "model": model}
 
 
 def reference_loaders(accelerator, train_set, eval_sets: dict, eval_loaders: dict, micro_batch_size: int,
@@ -323,4 +347,4 @@ def prepare_reference(accelerator, recipe, model, objective: PreferenceLoss, tra
         loaders = reference_loaders(accelerator, train_set, eval_sets, eval_loaders,
                                     recipe.training.micro_batch_size, collator)
         objective.tables = precompute_reference(accelerator, model, objective, loaders, recipe.output.dir,
-                                                data_fingerprint(train_set, eval_sets))
+                                                reference_key(recipe, train_set, eval_sets))

@@ -2,6 +2,7 @@
 log-probs, the chunked gradient against autograd through full logits, and the pair data."""
 
 import json
+import os
 from collections import defaultdict
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -246,3 +247,32 @@ def test_truncation_keeps_bos_and_the_system_turn_and_cuts_the_oldest_prompt_tex
         assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == f"{answer}<|eot_id|>"
     chosen, rejected = columns["chosen_input_ids"][0], columns["rejected_input_ids"][0]
     assert chosen[:-3] == rejected[:-3]  # the same prompt tokens on both sides
+
+
+def test_saved_reference_log_probs_belong_to_their_model_and_data(tmp_path, tiny_model_dir):
+    """A restart in the same output.dir with another model (an SFT checkpoint, say) must not reuse the old
+    model's reference log-probs (they were keyed by the data only)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from disttrain.errors import DisttrainError
+    from disttrain.preference import read_reference, reference_key
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    recipe = load_recipe(REPO / "recipes/tiny/dpo.yaml", [f"model.name_or_path={model_dir}"])
+    data = SimpleNamespace(_fingerprint="abc")
+    key = reference_key(recipe, data, {})
+    path = tmp_path / "reference_logps.safetensors"
+    save_file({"train": torch.zeros(3, 2)}, str(path), metadata=key)
+    assert read_reference(path, {"train": 3}, key)["train"].shape == (3, 2)  # a resume: read back
+    other_dtype = load_recipe(REPO / "recipes/tiny/dpo.yaml", [f"model.name_or_path={model_dir}",
+                                                               "model.dtype=bfloat16"])
+    weights = next(model_dir.glob("*.safetensors"))
+    for changed in (reference_key(other_dtype, data, {}),
+                    (os.utime(weights, ns=(1, 1)), reference_key(recipe, data, {}))[1]):  # weights rewritten
+        with pytest.raises(DisttrainError, match="reference log-probs of another model"):
+            read_reference(path, {"train": 3}, changed)
+    with pytest.raises(DisttrainError, match="reference log-probs of other data"):
+        read_reference(path, {"train": 3}, {**key, "data": "train:xyz"})
