@@ -159,7 +159,8 @@ def main(argv=None):
     log = MetricsLogger(accelerator, recipe.output.dir, total_steps, initial_step=state.step)
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,
-                                           rank_state=train_loader.state_dict if streaming else None)
+                                           rank_state=train_loader.state_dict if streaming else None,
+                                           expected_bytes=checkpoint.expected_bytes(model))
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
     state = loop.train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log.log, state,
                        total_steps, per_epoch, recipe.logging.every_steps, progress=log.advance,

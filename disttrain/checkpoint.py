@@ -20,6 +20,7 @@ A stream (data.streaming) has no such arithmetic: each rank writes its stream po
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -96,24 +97,86 @@ def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed at this very step
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if rank_state is not None:
-        path = _rank_state_file(tmp, accelerator.process_index)
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(rank_state))
-    accelerator.wait_for_everyone()  # all shards are on disk before anything is declared complete
-    if accelerator.is_main_process:
-        order = max((_save_order(p)[0] for p in _complete(root)), default=0) + 1
-        (tmp / TRAINER_STATE).write_text(json.dumps({**train_state.state_dict(), "shape": asdict(shape),
-                                                     SAVE_ORDER: order}, indent=1))
-        (tmp / MANIFEST).write_text(json.dumps({"files": _files_with_sizes(tmp)}, indent=1))
-        if final.exists():  # same step saved before (e.g. resumed and stopped again at once)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomically(root / LATEST, name)
-        _prune(root, keep_last, final)
+    try:
+        accelerator.save_state(str(tmp))
+        if rank_state is not None:
+            path = _rank_state_file(tmp, accelerator.process_index)
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(rank_state))
+        accelerator.wait_for_everyone()  # all shards are on disk before anything is declared complete
+        if accelerator.is_main_process:
+            order = max((_save_order(p)[0] for p in _complete(root)), default=0) + 1
+            (tmp / TRAINER_STATE).write_text(json.dumps({**train_state.state_dict(), "shape": asdict(shape),
+                                                         SAVE_ORDER: order}, indent=1))
+            (tmp / MANIFEST).write_text(json.dumps({"files": _files_with_sizes(tmp)}, indent=1))
+            if final.exists():  # same step saved before (e.g. resumed and stopped again at once)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomically(root / LATEST, name)
+            _prune(root, keep_last, final)
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+        if not _out_of_space(exc, root):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: never used, and it holds the space
+        intact = find(output_dir, "auto")
+        raise CheckpointError(
+            f"no space left on {root} while writing the checkpoint of step {train_state.step}: "
+            + (f"{intact.name} is intact and a rerun resumes from it" if intact else "no earlier checkpoint exists")
+            + f"; a save needs room for one more checkpoint (about {_size_of(intact)}) beside the {keep_last} kept: "
+            + ("free space there" if keep_last <= 1 else "free space there or lower output.keep_last")) from None
     accelerator.wait_for_everyone()
     return final
+
+
+LOW_SPACE = 64 * 2**20  # bytes: below this a failed write is taken for a full disk
+
+
+def _out_of_space(exc: BaseException, root: Path) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC anywhere in the chain, or a full disk after torch's C++
+    writers failed (they say `basic_ios::clear: iostream error` or `inline_container.cc ... file write
+    failed`, without the errno)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    try:
+        return shutil.disk_usage(root).free < LOW_SPACE
+    except OSError:
+        return False
+
+
+def _size_of(checkpoint: Path | None) -> str:
+    if checkpoint is None:
+        return "as much as the model and optimizer states"
+    return _human(sum(_files_with_sizes(checkpoint).values()))
+
+
+def _human(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def warn_if_short_of_space(accelerator, output_dir: str | Path, expected_bytes: int) -> None:
+    """Before the first save: a warning when the disk holding output.dir has less free space than one
+    checkpoint of this run is expected to take."""
+    root = checkpoint_root(output_dir)
+    probe = next((p for p in (root, *root.parents) if p.exists()), None)
+    free = shutil.disk_usage(probe).free if probe else None
+    if free is not None and free < expected_bytes:
+        accelerator.print(f"WARNING: checkpoint: {_human(free)} free on the disk of {root}, a checkpoint of this run "
+                          f"takes about {_human(expected_bytes)} (weights and optimizer states): free space, or the "
+                          "run will stop at its first save")
+
+
+def expected_bytes(model) -> int:
+    """About one checkpoint's size: every weight in its dtype, and for each trainable one Adam's two fp32
+    moments plus, where the weights are not fp32, the fp32 master copy (DeepSpeed, FSDP mixed precision)."""
+    total = 0
+    for p in model.parameters():
+        numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions hold 0 elements locally
+        total += numel * p.element_size()
+        if p.requires_grad:
+            total += numel * (8 + (4 if p.element_size() < 4 else 0))
+    return total
 
 
 def _complete(root: Path) -> list[Path]:
@@ -237,11 +300,13 @@ class Checkpointer:
     """What the loop needs: when to save, and how."""
 
     def __init__(self, accelerator, output_dir: str | Path, every: int | None, at_end: bool, keep_last: int,
-                 shape: RunShape, rank_state=None):
+                 shape: RunShape, rank_state=None, expected_bytes: int | None = None):
         self.accelerator, self.output_dir, self.every, self.at_end = accelerator, output_dir, every, at_end
         self.keep_last, self.shape = keep_last, shape
         self.rank_state = rank_state  # () -> this rank's data position, or None (map-style data)
         self.last_saved: Path | None = None
+        if expected_bytes and (every or at_end) and accelerator.is_main_process:
+            warn_if_short_of_space(accelerator, output_dir, expected_bytes)
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.every and step % self.every == 0) or (last and self.at_end)

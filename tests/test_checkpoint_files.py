@@ -126,3 +126,51 @@ def test_a_zero2_checkpoint_is_refused_by_zero3_in_one_line(tmp_path):
     assert f"output.dir={tmp_path / 'run'}-zero3" in message and "\n" not in message
     checkpoint.check_shape(saver.last_saved, RunShape(2, "deepspeed", 1, 1, zero_stage=2))  # the same stage: fine
     checkpoint.check_shape(saver.last_saved, RunShape(2, "deepspeed", 1, 1))  # older checkpoints carry no stage
+
+
+class FullDisk(OneProcess):
+    """save_state fails the way a full disk makes it fail: ENOSPC, or torch's C++ writer with no errno."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def save_state(self, directory: str):
+        (Path(directory) / "model.safetensors").write_bytes(b"half a shard")
+        raise self.error
+
+
+@pytest.mark.parametrize("error, free", [
+    (OSError(28, "No space left on device"), 10 * 2**30),
+    (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"), 0),
+    (RuntimeError("basic_ios::clear: iostream error"), 0)])
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_the_one_to_resume(error, free, tmp_path,
+                                                                                      monkeypatch):
+    saver = save_at(tmp_path, [2])
+    full = Checkpointer(FullDisk(error), tmp_path, every=1, at_end=True, keep_last=2, shape=RunShape(1, "ddp", 1, 1))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: type("Usage", (), {"free": free})())
+    with pytest.raises(CheckpointError) as raised:
+        full.save(TrainState(step=4))
+    message = str(raised.value)
+    assert message.startswith(f"no space left on {tmp_path / 'checkpoints'} while writing the checkpoint of step 4: "
+                              "step-00000002 is intact and a rerun resumes from it") and "output.keep_last" in message
+    assert names(tmp_path) == ["latest", "step-00000002"]  # the partial save removed, nothing else touched
+    assert checkpoint.find(tmp_path, "auto") == saver.last_saved
+    with pytest.raises(RuntimeError, match="an unrelated failure"):  # other failures are not disguised
+        monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 10 * 2**30})())
+        Checkpointer(FullDisk(RuntimeError("an unrelated failure")), tmp_path, every=1, at_end=True, keep_last=2,
+                     shape=RunShape(1, "ddp", 1, 1)).save(TrainState(step=6))
+
+
+def test_a_disk_smaller_than_a_checkpoint_is_said_before_the_first_save(tmp_path, monkeypatch):
+    import torch
+
+    printed = []
+    accelerator = OneProcess()
+    accelerator.print = lambda *args: printed.append(" ".join(map(str, args)))
+    model = torch.nn.Linear(1000, 1000)  # 1M weights: ~4 MB + 12 MB of Adam moments
+    expected = checkpoint.expected_bytes(model)
+    assert expected == 1_001_000 * (4 + 8)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 2**20})())
+    Checkpointer(accelerator, tmp_path / "run", every=10, at_end=True, keep_last=2, shape=RunShape(1, "ddp", 1, 1),
+                 expected_bytes=expected)
+    assert len(printed) == 1 and printed[0].startswith("WARNING: checkpoint: 1.0 MiB free on the disk of")
