@@ -234,6 +234,9 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             fetch_started = time.perf_counter()
             micro_batches = list(islice(batches, ga))
             window.data_wait += time.perf_counter() - fetch_started
+            if micro_batches and not token_loss.checked:  # the chunked loss equals the model's own, or stop
+                guards.at("checking the chunked loss against the model's own loss", step)
+                window.timed_apart(lambda: token_loss.check_against_model(accelerator, model, micro_batches[0]))
             guards.at("all_reduce of the step's target-token count", step)
             denominator, stop_flag = _window_denominator(micro_batches, accelerator, token_loss)
             stop_requested = _FlagOnHost(stop_flag)

@@ -13,10 +13,17 @@ final hidden states, a chunk of tokens at a time, in fp32:
   gathered the root module's weights and ZeRO-3 the lm_head's (and gathers them again for the backward), so
   the weight is whole whatever shards it.
 The loss and its gradients equal transformers' own (plain) loss: tests/test_loss_impl.py compares them to
-1e-5 in fp32, full and LoRA, packed and unpacked. training.loss_impl: plain keeps transformers' path.
+1e-5 in fp32, full and LoRA, packed and unpacked. What a family adds is applied too (FamilyTransform: logit
+scaling and softcapping, with the model's own copy neutralised while the head runs; the MoE load-balancing
+loss from the forward's router logits), tests/test_loss_families.py; and every run checks, on its first
+micro-batch, that the chunked loss equals the model's own (TokenLoss.check_against_model), else stops in
+one line. training.loss_impl: plain keeps transformers' path.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -25,16 +32,101 @@ from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_ta
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family does to lm_head's output before the loss: logits * scale (Granite divides by its
+    `logits_scaling`, Cohere multiplies by `logit_scale`, Falcon-H1 by `lm_head_multiplier`), then
+    softcap * tanh(logits / softcap) (Gemma 2/3's `final_logit_softcapping`). Applied in fp32 per chunk."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The transformed logits (in place)."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def derivative(self, transformed: torch.Tensor) -> torch.Tensor | float:
+        """d transformed / d raw logits, from the transformed logits."""
+        if not self.softcap:
+            return self.scale
+        return (1.0 - (transformed / self.softcap) ** 2) * self.scale
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and not self.softcap
+
+
+# Where families' forwards read their logit transform, how it scales the logits, and its neutral value:
+#   config: the model's config and its text config (multimodal wrappers); module: the CausalLM; inner: its .model
+_SCALES = (("config", "logits_scaling", lambda v: 1.0 / v, 1.0),   # Granite(MoE): logits / logits_scaling
+           ("module", "logit_scale", lambda v: v, 1.0),            # Cohere, Cohere2: logits * logit_scale
+           ("inner", "lm_head_multiplier", lambda v: v, 1.0))      # Falcon-H1: logits * model.lm_head_multiplier
+_SOFTCAP = "final_logit_softcapping"                               # Gemma 2/3/3n, on the (text) config
+
+
+class FamilyTransform:
+    """A model's logit transform, applied by the chunked loss per chunk. While the chunked head runs, the
+    model's own copy is set to its neutral value (`neutralised`): the forward would otherwise apply it to
+    the losses the head returns (Granite divided the loss and its gradients by 16)."""
+
+    def __init__(self, base):
+        config = getattr(base, "config", None)
+        configs = [c for c in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)())
+                               if c is not None}.values()]
+        places = {"config": configs, "module": [base], "inner": [getattr(base, "model", None)]}
+        self.holders: list[tuple[object, str, object]] = []
+        scale = 1.0
+        for where, name, to_scale, neutral in _SCALES:
+            for obj in places[where]:
+                value = getattr(obj, name, None) if obj is not None else None
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, neutral):
+                    scale *= to_scale(float(value))
+                    self.holders.append((obj, name, neutral))
+                    break
+        softcap = None
+        for obj in configs:
+            if getattr(obj, _SOFTCAP, None):
+                softcap = float(getattr(obj, _SOFTCAP))
+                self.holders.append((obj, _SOFTCAP, None))
+        self.transform = LogitTransform(scale, softcap)
+
+    @contextmanager
+    def neutralised(self):
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in self.holders]
+        try:
+            for obj, name, neutral in self.holders:
+                setattr(obj, name, neutral)
+            yield
+        finally:
+            for obj, name, value in saved:
+                setattr(obj, name, value)
+
+
+def router_aux_coefficient(config) -> float:
+    """The MoE load-balancing loss's weight when the model computes it (output_router_logits), else 0."""
+    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
+    if not any(getattr(c, "output_router_logits", False) for c in configs):
+        return 0.0
+    return float(next((c.router_aux_loss_coef for c in configs if getattr(c, "router_aux_loss_coef", None)), 0.0))
+
+
 def _chunk_tokens(vocab: int) -> int:
     return max(1, CHUNK_LOGITS // vocab)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, compute_dtype) -> torch.Tensor:
-    """One chunk's logits in fp32, from a matmul in the dtype the plain lm_head would use under autocast."""
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, compute_dtype,
+            transform: LogitTransform | None = None) -> torch.Tensor:
+    """One chunk's logits in fp32, from a matmul in the dtype the plain lm_head would use under autocast,
+    transformed as the model does it."""
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
     if bias is not None:
         logits = logits + bias.to(compute_dtype)
-    return logits.float()
+    logits = logits.float()
+    return transform.apply(logits) if transform is not None else logits
 
 
 def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -54,7 +146,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     logits are kept and none are recomputed. The output is a sum, so that scale is one number."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, compute_dtype, token_weights=None):
+    def forward(ctx, hidden, weight, bias, targets, compute_dtype, token_weights=None, transform=None):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -63,15 +155,18 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         step = _chunk_tokens(weight.shape[0])
         for start in range(0, hidden.shape[0], step):
             chunk = slice(start, start + step)
-            logits = _logits(hidden[chunk], weight, bias, compute_dtype)
+            logits = _logits(hidden[chunk], weight, bias, compute_dtype, transform)
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(logits.shape[0], device=logits.device)
             losses = lse - logits[rows, targets[chunk]]
             total += (losses * token_weights[chunk]).sum() if token_weights is not None else losses.sum()
             if not (want_hidden or want_weight or want_bias):
                 continue
+            slope = transform.derivative(logits) if transform is not None else 1.0  # before the in-place softmax
             grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad_logits[rows, targets[chunk]] -= 1.0
+            if not isinstance(slope, float) or slope != 1.0:
+                grad_logits.mul_(slope)  # through the scale / softcap back to lm_head's raw output
             if token_weights is not None:
                 grad_logits.mul_(token_weights[chunk, None])
             if want_hidden:
@@ -87,7 +182,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads = tuple(g * grad_total.to(g.dtype) if g is not None else None for g in ctx.saved_tensors)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
@@ -104,7 +199,13 @@ def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.
     with torch.autocast(hidden.device.type, enabled=False):  # the Function picks its matmul dtype itself
         return _ChunkedCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions),
                                              head.weight, head.bias, targets.index_select(0, positions),
-                                             compute_dtype, token_weights)
+                                             compute_dtype, token_weights, _transform_of(head))
+
+
+def _transform_of(head) -> LogitTransform | None:
+    """The logit transform TokenLoss found for this head's model (None: none)."""
+    transform = getattr(head, "_disttrain_transform", None)
+    return None if transform is None or transform.identity else transform
 
 
 @torch.no_grad()
@@ -116,9 +217,9 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     wanted = targets.index_select(0, positions)
     losses = torch.zeros(targets.shape[0], device=hidden.device, dtype=torch.float32)
-    step, dtype = _chunk_tokens(head.weight.shape[0]), _compute_dtype(hidden, head)
+    step, dtype, transform = _chunk_tokens(head.weight.shape[0]), _compute_dtype(hidden, head), _transform_of(head)
     for start in range(0, hidden.shape[0], step):
-        logits = _logits(hidden[start:start + step], head.weight, head.bias, dtype)
+        logits = _logits(hidden[start:start + step], head.weight, head.bias, dtype, transform)
         rows = torch.arange(logits.shape[0], device=logits.device)
         losses[positions[start:start + step]] = torch.logsumexp(logits, -1) - logits[rows, wanted[start:start + step]]
     return losses.view(labels.shape)
@@ -140,16 +241,22 @@ class TokenLoss:
     targets are set on it (install() before accelerator.prepare); `plain`: transformers' own loss from the
     full logits."""
 
+    checks_against_model = True  # the start-up self-check (check_against_model) applies to this objective
+
     def __init__(self, model, impl: str = "chunked"):
         self.impl = impl
         self.head = None
+        self.checked = impl != "chunked"
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", None)
+        # what the model adds to the token loss: the MoE load-balancing loss (transformers' own, from the
+        # router logits the forward returns, with its attention-mask handling), weighted by its coefficient
+        self.router_aux_coef = router_aux_coefficient(config) if config is not None else 0.0
+        self.family = FamilyTransform(base)
         if impl == "chunked":
-            config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
-            if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
-                raise ValueError("this model rescales its logits after lm_head (softcapping / logit_scale), which "
-                                 "the chunked loss does not apply: set training.loss_impl=plain")
             self.head = output_projection(model)
             self.head._disttrain_labels = None
+            self.head._disttrain_transform = self.family.transform
             plain_forward = self.head.forward
 
             def forward(hidden):  # the instance's forward: not a parameter, so state dicts do not change
@@ -193,19 +300,65 @@ class TokenLoss:
     def _inputs(batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k != "labels"}
 
-    def _chunked(self, model, batch: dict) -> torch.Tensor:
+    def _chunked_output(self, model, batch: dict):
         self.head._disttrain_labels = batch["labels"]
         try:
-            return model(**self._inputs(batch), use_cache=False).logits  # losses, see forward above
+            with self.family.neutralised():  # the head applies the family's transform itself
+                return model(**self._inputs(batch), use_cache=False)  # .logits: losses, see forward above
         finally:
             self.head._disttrain_labels = None
 
+    def _chunked(self, model, batch: dict) -> torch.Tensor:
+        return self._chunked_output(model, batch).logits
+
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
-        """sum of the micro-batch's token losses / num_items_in_batch (the loop's token normalisation)."""
+        """sum of the micro-batch's token losses / num_items_in_batch (the loop's token normalisation), plus
+        what the model adds to it (MoE: router_aux_loss_coef x its load-balancing loss, as transformers adds)."""
         if self.impl == "plain":
             inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
             return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-        return self._chunked(model, batch) / num_items_in_batch  # the summed loss of the micro-batch
+        out = self._chunked_output(model, batch)
+        loss = out.logits / num_items_in_batch  # the summed loss of the micro-batch
+        aux = getattr(out, "aux_loss", None)
+        return loss + self.router_aux_coef * aux.to(loss.device) if self.router_aux_coef and aux is not None else loss
+
+    @torch.no_grad()
+    def check_against_model(self, accelerator, model, batch: dict) -> None:
+        """Once, on the run's first micro-batch (every rank, with its own): the chunked loss of a slice of it
+        must equal the model's own loss on it -- transformers' forward with labels, which applies whatever the
+        family does (logit transforms, added losses) -- else stop with one line, so that a family nobody has
+        tried cannot train on a wrong loss. In eval mode (no dropout), on at most SELF_CHECK_TOKENS tokens of
+        one sequence (the model's full logits for them only)."""
+        if self.checked or not self.checks_against_model:
+            return
+        self.checked = True
+        part = _one_sequence(batch, SELF_CHECK_TOKENS)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.compiler.set_stance("force_eager"):  # compiled regions (training.compile) must not
+                targets = count_targets(part)                # compile again for this one-off slice
+                out = self._chunked_output(model, part)
+                ours = out.logits[:, :-1].sum() / targets.clamp(min=1)
+                aux = getattr(out, "aux_loss", None)
+                if self.router_aux_coef and aux is not None:
+                    ours = ours + self.router_aux_coef * aux.to(ours.device)
+                inputs = {k: v for k, v in part.items() if k not in BOOKKEEPING_KEYS}
+                theirs = model(**inputs, use_cache=False).loss.float()
+        finally:
+            model.train(was_training)
+        low_precision = torch.is_autocast_enabled(ours.device.type) or self.head.weight.element_size() < 4
+        tolerance = 1e-2 if low_precision else 1e-4
+        wrong = bool(targets > 0) and not torch.isclose(ours, theirs, rtol=tolerance, atol=tolerance)
+        flag = accelerator.reduce(torch.tensor(float(wrong), device=ours.device), reduction="sum")
+        if float(flag) > 0:
+            from disttrain.errors import DisttrainError
+
+            raise DisttrainError(
+                f"training.loss_impl=chunked: on the first micro-batch the chunked loss is {float(ours):.5f} where "
+                f"this model's own loss is {float(theirs):.5f} (on {'this' if wrong else 'another'} rank): the model "
+                "transforms its logits or adds a loss that the chunked path does not apply; set "
+                "training.loss_impl=plain (transformers' loss from full logits)")
 
     @torch.no_grad()
     def token_losses(self, model, batch: dict) -> torch.Tensor:
@@ -215,6 +368,21 @@ class TokenLoss:
             return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:],
                                                      ignore_index=IGNORE_INDEX, reduction="none")
         return self._chunked(model, batch)[:, :-1]
+
+
+SELF_CHECK_TOKENS = 256  # tokens of the self-check's slice: full logits of these only
+
+
+def _one_sequence(batch: dict, max_tokens: int) -> dict:
+    """The first sequence of a micro-batch, at most `max_tokens` long, as a batch of one (a flattened
+    micro-batch's first example, without its boundaries)."""
+    if "cu_seq_lens_q" in batch:
+        end = min(int(batch["cu_seq_lens_q"][1]), max_tokens)
+        keys = ("input_ids", "labels", "position_ids")
+        return {k: batch[k][:, :end] for k in keys} | {LENGTHS_KEY: batch[LENGTHS_KEY].new_tensor([end])}
+    end = min(int(batch[LENGTHS_KEY][0]), max_tokens)
+    part = {k: v[:1, :end] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+    return part | {LENGTHS_KEY: batch[LENGTHS_KEY][:1].clamp(max=end)}
 
 
 def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
