@@ -20,6 +20,7 @@ from disttrain.config import DataSection
 from disttrain.data import IGNORE_INDEX, tokenize_record
 from disttrain.data.templates import assistant_spans, turn_layout
 from disttrain.errors import DataError
+from tests_support import target_runs
 
 SYSTEM = {"role": "system", "content": "Answer with one word."}
 SHORT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."},
@@ -272,18 +273,6 @@ def family_tokenizer(base, family: str, style: str, markers: bool):
     # without markers: the same blocks as plain ifs, so Jinja's whitespace handling renders the same text
     tok.chat_template = template if markers else template.replace(G, "{% if true %}").replace(E, "{% endif %}")
     return tok
-
-
-def target_runs(tokenizer, ids, labels) -> list[str]:
-    runs, current = [], []
-    for token, label in zip(ids, labels):
-        if label != IGNORE_INDEX:
-            assert label == token
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    return [tokenizer.decode(r) for r in runs + ([current] if current else [])]
 
 
 def section():

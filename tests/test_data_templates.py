@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import tests_support
 from disttrain.config import DataSection
 from disttrain.data import IGNORE_INDEX, tokenize_record
 from disttrain.errors import DataError
@@ -52,17 +53,7 @@ def section(fmt="chat", **kw):
 
 def target_runs(tokenizer, item) -> list[str]:
     """The targets as runs of consecutive tokens, each decoded: one run per assistant turn."""
-    runs, current = [], []
-    for token, label in zip(item["input_ids"], item["labels"]):
-        if label != IGNORE_INDEX:
-            assert label == token
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(r) for r in runs]
+    return tests_support.target_runs(tokenizer, item["input_ids"], item["labels"])
 
 
 @pytest.mark.parametrize("name, template, specials, expected", [

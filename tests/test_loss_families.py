@@ -15,6 +15,7 @@ from disttrain import loss as loss_module
 from disttrain.data import Collator, count_targets, pack_rows
 from disttrain.errors import DisttrainError
 from disttrain.loss import TokenLoss
+from tests_support import loss_and_grads
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
@@ -58,15 +59,6 @@ def batches():
     packed = pack_rows([r["input_ids"] for r in rows], [r["labels"] for r in rows], max_len=20)
     packed_rows = [{k: v[i] for k, v in packed.items()} for i in range(len(packed["input_ids"]))]
     return {"unpacked": Collator(0)(rows), "packed": Collator(0)(packed_rows)}
-
-
-def loss_and_grads(model, impl, batch):
-    token_loss = TokenLoss(model, impl)
-    model.zero_grad()
-    value = token_loss.training_loss(model, batch, count_targets(batch).float())
-    value.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return value.detach(), grads, token_loss.token_losses(model, batch).detach(), token_loss
 
 
 @pytest.mark.parametrize("layout", ["unpacked", "packed"])

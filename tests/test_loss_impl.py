@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+import tests_support
+
 from disttrain import loss as loss_module
 from disttrain.config import LoraSection, ModelSection
 from disttrain.data import Collator, count_targets, pack_rows
@@ -33,12 +35,7 @@ def batches(tokenizer):
 
 
 def loss_and_grads(model, impl, batch):
-    token_loss = TokenLoss(model, impl)
-    model.zero_grad()
-    loss = token_loss.training_loss(model, batch, count_targets(batch).float())
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, token_loss.token_losses(model, batch).detach()
+    return tests_support.loss_and_grads(model, impl, batch)[:3]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

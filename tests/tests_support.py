@@ -8,3 +8,32 @@ from conftest import REPO
 def alpaca_rows(n: int) -> list[dict]:
     lines = (REPO / "data/tiny_alpaca.jsonl").read_text().splitlines()[:n]
     return [json.loads(line) for line in lines]
+
+
+def target_runs(tokenizer, ids, labels) -> list[str]:
+    """The targets as runs of consecutive tokens, each decoded: one run per assistant turn (a target's label
+    is its token)."""
+    from disttrain.data import IGNORE_INDEX
+
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == token
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return [tokenizer.decode(r) for r in runs + ([current] if current else [])]
+
+
+def loss_and_grads(model, impl, batch):
+    """(loss, gradients by name, evaluation's per-token losses, the TokenLoss) of one micro-batch."""
+    from disttrain.data import count_targets
+    from disttrain.loss import TokenLoss
+
+    token_loss = TokenLoss(model, impl)
+    model.zero_grad()
+    loss = token_loss.training_loss(model, batch, count_targets(batch).float())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, token_loss.token_losses(model, batch).detach(), token_loss
