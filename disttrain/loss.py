@@ -354,11 +354,12 @@ class TokenLoss:
         if float(flag) > 0:
             from disttrain.errors import DisttrainError
 
+            seen = (f"the chunked loss is {float(ours):.5f} where this model's own loss is {float(theirs):.5f}"
+                    if wrong else "another rank found the chunked loss different from this model's own loss")
             raise DisttrainError(
-                f"training.loss_impl=chunked: on the first micro-batch the chunked loss is {float(ours):.5f} where "
-                f"this model's own loss is {float(theirs):.5f} (on {'this' if wrong else 'another'} rank): the model "
-                "transforms its logits or adds a loss that the chunked path does not apply; set "
-                "training.loss_impl=plain (transformers' loss from full logits)")
+                f"training.loss_impl=chunked: on the first micro-batch {seen}: the model transforms its logits or "
+                "adds a loss that the chunked path does not apply; set training.loss_impl=plain (transformers' "
+                "loss from full logits)")
 
     @torch.no_grad()
     def token_losses(self, model, batch: dict) -> torch.Tensor:
