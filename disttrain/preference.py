@@ -325,10 +325,17 @@ def live_reference(accelerator, recipe, sharded: bool, local_device):
             config.pop(key, None)
         config["zero_optimization"].pop("offload_optimizer", None)
         model, *_ = deepspeed.initialize(model=model, config=config)
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # ZeRO-1/2: DeepSpeed runs the policy in bf16/fp16 weights and accelerate does not autocast under
+        # DeepSpeed, so a copy left in its load dtype (fp32) would score in another precision than the policy
+        model = model.to(accelerator.device, dtype=_DEEPSPEED_DTYPES.get(recipe.training.mixed_precision))
     else:
         model = model.to(accelerator.device)
     model.eval()
     return model, scorer
+
+
+_DEEPSPEED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # training.mixed_precision -> weights
 
 
 def prepare_reference(accelerator, recipe, model, objective: PreferenceLoss, train_set, eval_sets: dict,

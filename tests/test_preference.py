@@ -276,3 +276,20 @@ def test_saved_reference_log_probs_belong_to_their_model_and_data(tmp_path, tiny
             read_reference(path, {"train": 3}, changed)
     with pytest.raises(DisttrainError, match="reference log-probs of other data"):
         read_reference(path, {"train": 3}, {**key, "data": "train:xyz"})
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("no", torch.float32)])
+def test_a_live_reference_under_zero1_2_runs_in_the_policys_precision(precision, dtype, tiny_model_dir):
+    """Under DeepSpeed the policy's weights are bf16/fp16 and accelerate does not autocast, so the frozen copy
+    must be cast too (ZeRO-1/2; ZeRO-3's copy is a DeepSpeed engine of the same config); it stayed fp32 and
+    the two differed at step 0."""
+    from accelerate.utils import DistributedType
+
+    from disttrain.preference import live_reference
+
+    recipe = load_recipe(REPO / "recipes/tiny/dpo.yaml", [f"model.name_or_path={tiny_model_dir}",
+                                                          f"training.mixed_precision={precision}"])
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, device=torch.device("cpu"),
+                                state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    model, _ = live_reference(deepspeed, recipe, sharded=False, local_device=None)
+    assert {p.dtype for p in model.parameters()} == {dtype} and not model.training
