@@ -74,9 +74,7 @@ class FamilyTransform:
     the losses the head returns (Granite divided the loss and its gradients by 16)."""
 
     def __init__(self, base):
-        config = getattr(base, "config", None)
-        configs = [c for c in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)())
-                               if c is not None}.values()]
+        configs = _configs(getattr(base, "config", None))
         places = {"config": configs, "module": [base], "inner": [getattr(base, "model", None)]}
         self.holders: list[tuple[object, str, object]] = []
         scale = 1.0
@@ -106,9 +104,15 @@ class FamilyTransform:
                 setattr(obj, name, value)
 
 
+def _configs(config) -> list:
+    """A model's config and its text config (multimodal wrappers keep the language model's there), once each."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return [c for c in {id(c): c for c in (config, text) if c is not None}.values()]
+
+
 def router_aux_coefficient(config) -> float:
     """The MoE load-balancing loss's weight when the model computes it (output_router_logits), else 0."""
-    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
+    configs = _configs(config)
     if not any(getattr(c, "output_router_logits", False) for c in configs):
         return 0.0
     return float(next((c.router_aux_loss_coef for c in configs if getattr(c, "router_aux_loss_coef", None)), 0.0))

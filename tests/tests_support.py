@@ -37,3 +37,13 @@ def loss_and_grads(model, impl, batch):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, token_loss.token_losses(model, batch).detach(), token_loss
+
+
+def assert_same_loss_and_grads(chunked, plain, rtol: float, atol: float, grad_rtol: float | None = None) -> None:
+    """loss_and_grads of the chunked and the plain loss: the same loss, the same gradient of every parameter."""
+    import torch
+
+    torch.testing.assert_close(chunked[0], plain[0], rtol=rtol, atol=atol)
+    assert plain[1].keys() == chunked[1].keys() and len(plain[1]) > 0
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(chunked[1][name], grad, rtol=grad_rtol or rtol, atol=atol, msg=name)
