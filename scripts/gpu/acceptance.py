@@ -53,8 +53,8 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
 (imports, CUDA init, model load); DeepSpeed ~15-20 s. Per item (Item.estimate_s below):
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 40, _fsdp 45, _zero2 55, _zero3 60, streaming_resume 40 (3 launches each); lora_ddp 15,
-    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 30, packing_sdpa 35, packing_flash_attention_2
-    35 (a SKIP without flash-attn: ~2 s)                        426 s in all; 3 side by side: ~145-175 s
+    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, packing_sdpa 35, packing_flash_attention_2
+    35 (a SKIP without flash-attn: ~2 s)                        446 s in all; 3 side by side: ~145-175 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 60    ~180 s
     total ~7 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~9 min, so the last items would be SKIPped for the budget.
@@ -578,7 +578,7 @@ ITEMS = [
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),
     Item("qlora_fsdp", partial(adapter, config="fsdp", quantized=True), 20, 60, False),
     Item("adamw_8bit", adamw_8bit, 15, 60, False),
-    Item("dpo", dpo, 30, 90, True),
+    Item("dpo", dpo, 50, 150, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
