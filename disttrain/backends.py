@@ -75,6 +75,14 @@ def _wandb_offline_without_key(report_to: list[str]) -> None:
             os.environ.setdefault("WANDB_MODE", "offline")
 
 
+def _unwrap_without_deepspeed() -> None:
+    """accelerate's unwrap_model imports DeepSpeed whenever it is installed, to recognise a DeepSpeed engine:
+    1.3 s of every rank's start-up. A launch that is not DeepSpeed has no such engine to recognise."""
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False
+
+
 def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
@@ -114,8 +122,9 @@ def build_accelerator(recipe: Recipe):
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, dynamic=True)
     if strategy == "deepspeed":
         kwargs["deepspeed_plugin"] = _deepspeed_plugin(recipe)
-    elif not gpu:
-        kwargs["cpu"] = True
+    else:
+        _unwrap_without_deepspeed()
+        kwargs["cpu"] = not gpu
     if strategy == "fsdp" and not gpu:
         from disttrain.fsdp_cpu import fsdp_branch_on_cpu, unpin_offload
 

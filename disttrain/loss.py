@@ -294,7 +294,10 @@ class TokenLoss:
                     return self._training_head(hidden, labels)
                 return chunked_token_losses(hidden, self.head, labels)  # evaluation: per-token losses
 
-            self.head.forward = forward
+            # never compiled: regional compilation (accelerate) compiles lm_head whole, and Dynamo then
+            # recompiles it for every new sequence length (the labels' shape, the targets' count) until its
+            # recompile limit; the chunked Function gains nothing from a graph anyway
+            self.head.forward = torch.compiler.disable(forward)
 
     unit_name = "target_tokens"  # what the loss is averaged over (the loop's normalisation)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -86,10 +87,10 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
+    if "peft" not in sys.modules:  # nothing imported peft, so no model is a PeftModel (and its import is slow)
         return False
+    from peft import PeftModel
+
     return isinstance(model, PeftModel)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,8 +40,38 @@ def warmup_steps(cfg: TrainingSection, total_steps: int) -> int:
     return cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
 
 
-def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
-    from transformers import get_scheduler
+# The four schedules of transformers' get_scheduler, with its formulas (tests/test_optim.py pins them to it
+# step for step). Written here because importing transformers.optimization imports its Trainer utilities
+# and, through them, peft and bitsandbytes: 1.6 s of every rank's start-up, in runs that use neither.
+def _warmup(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
 
-    return get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
-                         num_training_steps=total_steps)
+
+def _constant(step: int, warmup: int, total: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, warmup: int, total: int) -> float:
+    return _warmup(step, warmup) if step < warmup else 1.0
+
+
+def _linear(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:  # half a cosine period, to 0 (num_cycles=0.5)
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+SCHEDULES = {"constant": _constant, "constant_with_warmup": _constant_with_warmup, "linear": _linear,
+             "cosine": _cosine}
+
+
+def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        SCHEDULES[cfg.lr_scheduler], warmup=warmup_steps(cfg, total_steps), total=total_steps))
