@@ -145,11 +145,12 @@ cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --t
 	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)
 
 # Two test processes (pytest-xdist): a launch is mostly start-up on one core at a time, so two overlap well on
-# 2 cores; tests that read one shared run stay on one process (tests/conftest.py, shared_run). TEST_JOBS=0: one.
+# 2 cores; an idle one takes tests queued for the other (worksteal). A run several tests read is made once by
+# whichever process asks first (tests/conftest.py, SharedRuns). TEST_JOBS=0: one process.
 TEST_JOBS   ?= 2
 
 test: tiny ## the whole suite, what CI runs: unit tests + real multi-process launches on CPU (TEST_JOBS processes)
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: tiny ## the unit tests only, no launches, no downloads (< 1 min): the inner loop while developing
 	$(PY) -m pytest -m "not launch and not network" $(PYTEST_ARGS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -34,60 +35,58 @@ _DATASETS_CACHE = tempfile.mkdtemp(prefix=f"disttrain-tests-{os.environ.get('PYT
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_DATASETS_CACHE, "datasets")
 atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 
-# Fixtures that launch a run several tests read (declared with @shared_run). Under pytest-xdist every test
-# that uses one goes to the same worker (an xdist_group per fixture and parameter), so the run is made once.
-SHARED_RUNS: set[str] = set()
+class SharedRuns:
+    """Runs that several tests read, made once per test session whichever test process asks first.
 
+    `runs.get(key, make)` calls make(folder) under a lock on `key` in a folder that every test process of the
+    session sees (pytest-xdist workers share their base temp dir's parent), keeps its (pickled) result and
+    gives it to every later caller, in this process or another: a process that asks while the run is being
+    made waits for it. So tests are spread over the test processes freely (no groups pin them to one), and a
+    run made for one claim serves every claim it can prove. A make that failed fails every test asking again,
+    with its error, instead of being launched again."""
 
-def shared_run(**fixture_kwargs):
-    """@pytest.fixture(scope=...) for a launch whose outputs several tests assert on."""
-    def register(function):
-        SHARED_RUNS.add(function.__name__)
-        return pytest.fixture(**fixture_kwargs)(function)
-    return register
+    def __init__(self, root: Path):
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._memo: dict[str, object] = {}
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own modifyitems hook)
-def pytest_collection_modifyitems(config, items):
-    """One xdist group per set of tests linked by the shared runs they read (a test reading two shared runs
-    joins their groups), so that no shared run is launched in two test processes."""
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    keys_of = {}
-    for item in items:
-        params = getattr(item, "callspec", None)
-        keys = [f"{name}[{params.params[name]}]" if params and name in params.params else name
-                for name in sorted(item.fixturenames) if name in SHARED_RUNS]
-        for key in keys[1:]:
-            parent[root(key)] = root(keys[0])
-        keys_of[item] = keys
-    for item, keys in keys_of.items():
-        if keys:
-            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
-
-
-def pytest_collection_finish(session):
-    """In a pytest-xdist worker: the groups must have reached the scheduler (xdist appends "@group" to the
-    node id; pytest 9.2 stopped reading the attribute it sets), else shared runs would be launched twice."""
-    if getattr(session.config.option, "loadgroup", False):
-        lost = [item.nodeid for item in session.items
-                if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
-        if lost:
-            raise pytest.UsageError(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): this "
-                                    "pytest/pytest-xdist pair ignores xdist_group; install the test extra's "
-                                    "versions (make setup) or run with TEST_JOBS=0")
+    def get(self, key: str, make):
+        if key in self._memo:
+            return self._memo[key]
+        done, failed = self.root / f"{key}.result", self.root / f"{key}.failed"
+        with open(self.root / f"{key}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if failed.exists():
+                    pytest.fail(f"shared run {key} failed when another test made it:\n{failed.read_text()}")
+                if not done.exists():
+                    folder = self.root / key
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                    try:
+                        value = make(folder)
+                    except BaseException as exc:
+                        failed.write_text(f"{type(exc).__name__}: {exc}"[-6000:])
+                        raise
+                    done.write_bytes(pickle.dumps(value))
+                self._memo[key] = pickle.loads(done.read_bytes())
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return self._memo[key]
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def runs(tmp_path_factory) -> SharedRuns:
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(runs) -> Path:
+    """The tiny model, built once for every test process: the runs they share then name one model path."""
     from disttrain.tiny import build_model_dir
 
-    return build_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    return runs.get("tiny-llama", lambda folder: build_model_dir(folder / "tiny-llama"))
 
 
 @pytest.fixture(scope="session")
@@ -130,11 +129,20 @@ ALONE = {"zero3", "zero3_offload"}
 _LAUNCH_LOCK = Path(tempfile.gettempdir()) / f"disttrain-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}.lock"
 
 
+_TURNSTILE = _LAUNCH_LOCK.with_suffix(".turnstile")
+
+
 @contextmanager
 def cores_for(config):
-    """Hold the test processes' launch lock: exclusively for a launch under an ALONE strategy, shared else."""
-    with open(_LAUNCH_LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX if Path(str(config)).stem in ALONE else fcntl.LOCK_SH)
+    """Hold the test processes' launch lock: exclusively for a launch under an ALONE strategy, shared else.
+    Every launch passes a turnstile first, which a waiting ALONE launch holds: launches of other test
+    processes cannot keep it waiting by overlapping their shared holds."""
+    with open(_LAUNCH_LOCK, "a") as handle, open(_TURNSTILE, "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX if Path(str(config)).stem in ALONE else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
             yield
         finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_ok, base_recipe, launch, shared_run, write_recipe
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
@@ -18,15 +18,16 @@ LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_pro
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen")
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+@pytest.fixture
+def pairs(runs):
     """48 training pairs, and 16 held-out pairs beside them (pairs.eval.jsonl) for the evaluations."""
-    folder = tmp_path_factory.mktemp("dpo")
-    (folder / "pairs.eval.jsonl").write_text(
-        "".join((REPO / "data/tiny_dpo_eval.jsonl").read_text().splitlines(keepends=True)[:16]))
-    path = folder / "pairs.jsonl"
-    path.write_text("".join((REPO / "data/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:48]))
-    return path
+    def make(folder):
+        (folder / "pairs.eval.jsonl").write_text(
+            "".join((REPO / "data/tiny_dpo_eval.jsonl").read_text().splitlines(keepends=True)[:16]))
+        path = folder / "pairs.jsonl"
+        path.write_text("".join((REPO / "data/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:48]))
+        return path
+    return runs.get("dpo-pairs", make)
 
 
 def recipe_for(tmp_path, model_dir, data, name, micro, lora, **output):
@@ -60,37 +61,17 @@ def assert_same(a, b, rel, atol, accuracy=True):
         assert lb == pytest.approx(la, rel=rel, abs=atol), key
 
 
-def _single(tmp_path_factory, model_dir, pairs, lora):
-    tmp = tmp_path_factory.mktemp("single")
-    assert_ok(launch("single_gpu", recipe_for(tmp, model_dir, pairs, "ref", 2, lora), nproc=1))
-    return tmp / "ref"
-
-
-@shared_run(scope="module")
-def single_full(tmp_path_factory, tiny_model_dir, pairs):
-    return _single(tmp_path_factory, tiny_model_dir, pairs, False)
-
-
-@shared_run(scope="module")
-def single_lora(tmp_path_factory, tiny_model_dir, pairs):
-    return _single(tmp_path_factory, tiny_model_dir, pairs, True)
-
-
-@shared_run(scope="module")
-def full_runs(tmp_path_factory, tiny_model_dir, pairs):
-    """Full DPO on 2 processes, one run per strategy, launched when first asked for: the equivalence test and
-    the uninterrupted half of the resume test read the same run (its checkpoints every 3 steps change
-    nothing in what it trains)."""
-    tmp = tmp_path_factory.mktemp("full")
-    made = {}
-
-    def run(strategy):
-        if strategy not in made:
-            proc = launch(strategy, recipe_for(tmp, tiny_model_dir, pairs, strategy, 1, False, checkpoint_every=3))
-            assert_ok(proc)
-            made[strategy] = (tmp / strategy, proc)
-        return made[strategy]
-    return run
+def dpo_run(runs, model_dir, pairs, strategy, lora):
+    """The uninterrupted DPO run of `strategy` ("single_gpu": one process, micro-batch 2), launched once per
+    session: the equivalence tests and the uninterrupted half of the resume test read it (its checkpoints
+    every 3 steps change nothing in what it trains). (out dir, stdout)."""
+    def make(folder):
+        single = strategy == "single_gpu"
+        proc = launch(strategy, recipe_for(folder, model_dir, pairs, "run", 2 if single else 1, lora,
+                                           checkpoint_every=3), nproc=1 if single else 2)
+        assert_ok(proc)
+        return folder / "run", proc.stdout
+    return runs.get(f"dpo-{strategy}-{'lora' if lora else 'full'}", make)
 
 
 def assert_matches_single(strategy, lora, ref, out):
@@ -102,24 +83,22 @@ def assert_matches_single(strategy, lora, ref, out):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"])
-def test_full_dpo_matches_single_process(strategy, single_full, full_runs):
+def test_full_dpo_matches_single_process(strategy, runs, tiny_model_dir, pairs):
     """Precomputed reference: one pass sharded across the ranks, gathered, then looked up per pair."""
-    out, proc = full_runs(strategy)
-    assert "reference log-probs of 64 pairs computed" in proc.stdout  # 48 training + 16 eval pairs
-    assert_matches_single(strategy, False, single_full, out)
+    out, stdout = dpo_run(runs, tiny_model_dir, pairs, strategy, False)
+    assert "reference log-probs of 64 pairs computed" in stdout  # 48 training + 16 eval pairs
+    assert_matches_single(strategy, False, dpo_run(runs, tiny_model_dir, pairs, "single_gpu", False)[0], out)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
-def test_lora_dpo_matches_single_process(strategy, single_lora, tmp_path, tiny_model_dir, pairs):
+def test_lora_dpo_matches_single_process(strategy, runs, tiny_model_dir, pairs):
     """Reference = the same wrapped model with the adapters disabled, under each strategy's wrapping."""
-    out = tmp_path / strategy
-    assert_ok(launch(strategy, recipe_for(tmp_path, tiny_model_dir, pairs, strategy, 1, True)))
-    assert_matches_single(strategy, True, single_lora, out)
+    out, _ = dpo_run(runs, tiny_model_dir, pairs, strategy, True)
+    assert_matches_single(strategy, True, dpo_run(runs, tiny_model_dir, pairs, "single_gpu", True)[0], out)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, single_full, tmp_path, tiny_model_dir,
-                                                                      pairs):
+def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, runs, tmp_path, tiny_model_dir, pairs):
     """preference.reference: model -- a frozen copy sharded like the policy (FSDP2 units, a ZeRO-3 inference
     engine) scoring each micro-batch -- trains the single-process precomputed run's model."""
     out = tmp_path / strategy
@@ -127,6 +106,7 @@ def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, 
     proc = launch(strategy, recipe, overrides=["preference.reference=model"])
     assert_ok(proc)
     assert "reference log-probs" not in proc.stdout  # nothing precomputed
+    single_full = dpo_run(runs, tiny_model_dir, pairs, "single_gpu", False)[0]
     assert_same(single_full, out, rel=1e-4, atol=1e-5, accuracy=False)
     wa, wb = weights(single_full, False), weights(out, False)
     for key in wa:
@@ -134,8 +114,8 @@ def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, 
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs, full_runs):
-    a, _ = full_runs(strategy)  # the uninterrupted run
+def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs, runs):
+    a, _ = dpo_run(runs, tiny_model_dir, pairs, strategy, False)  # the uninterrupted run
     b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, checkpoint_every=3)
     first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
     assert_ok(first)

@@ -1,5 +1,7 @@
-"""Exact resume for every strategy: stop mid-epoch with grad_accum > 1, resume, and match an uninterrupted
-run step for step and weight for weight. Plus killed ranks, killed saves and corrupt checkpoints."""
+"""Resume under the conditions that break it: a mixture with per-source eval and LoRA dropout, the launcher
+signalled during a slow save, a killed rank (relaunched, and restarted by torchrun itself), a save killed
+mid-write, corrupt checkpoints, another world size. Exact resume per strategy from a mid-run checkpoint is
+in test_strategies.py; the uninterrupted runs come from the strategy matrix (tests/strategy_runs.py)."""
 
 import os
 import shutil
@@ -11,37 +13,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, shared_run,
-                      start_launch, write_recipe)
+from conftest import (REPO, assert_ok, free_port, kill_launch, launch, rank_processes, start_launch)
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
+from strategy_runs import CHECKPOINT_EVERY, STEPS, matrix_recipe, small_data, strategy_run
 
 pytestmark = pytest.mark.launch
-
-STEPS, STOP = 10, 5
-LORA = {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}  # dropout: RNG must resume too
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory) -> Path:
-    """35 rows -> 4 steps per epoch with 2 ranks x micro 2 x accum 2 (3 rows dropped): the runs cross epochs,
-    and step 5 is one window into the second epoch."""
-    path = tmp_path_factory.mktemp("data") / "small.jsonl"
-    path.write_text("".join((REPO / "data/tiny_alpaca.jsonl").read_text().splitlines(keepends=True)[:35]))
-    return path
-
-
-def recipe(tmp_path, model_dir, data, name, lora=False, **output):
-    sections = dict(data={"path": str(data), "max_seq_len": 48},
-                    training={"max_steps": STEPS, "micro_batch_size": 2, "grad_accum": 2, "lr": 2e-3,
-                              "lr_scheduler": "cosine", "warmup_steps": 2},
-                    output={"checkpoint_every": 3, "keep_last": 2, **output})
-    if lora:
-        sections["lora"] = LORA
-    return write_recipe(tmp_path / f"{name}.yaml", base_recipe(model_dir, tmp_path / name, **sections))
 
 
 def losses(out):
@@ -52,57 +31,37 @@ def final_weights(out, lora):
     return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
 
 
-def assert_same_run(a, b, lora):
+def assert_same_run(a, b, lora, steps=STEPS, first_step=1):
+    """b (killed or resumed) logged each of its steps once and equals the uninterrupted a, weights included."""
     la, lb = losses(a), losses(b)
-    assert sorted(lb) == list(range(1, STEPS + 1)), "metrics must have one line per step, no gap, no duplicate"
-    assert lb == pytest.approx(la, rel=1e-6, abs=1e-7)
+    assert sorted(lb) == list(range(first_step, steps + 1)), "one line per step, no gap, no duplicate"
+    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-6, abs=1e-7)
     wa, wb = final_weights(a, lora), final_weights(b, lora)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
-@pytest.mark.parametrize("strategy, lora", [("ddp", False), ("fsdp", False), ("zero2", False), ("zero3", False),
-                                            ("ddp", True), ("fsdp", True), ("zero2", True), ("zero3", True)])
-def test_stop_and_resume_matches_uninterrupted(strategy, lora, tmp_path, tiny_model_dir, small_data):
-    r = recipe(tmp_path, tiny_model_dir, small_data, "a", lora)
-    assert_ok(launch(strategy, r))
-    b = recipe(tmp_path, tiny_model_dir, small_data, "b", lora)
-    first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
-    assert_ok(first)
-    assert f"stopped at step {STOP}/{STEPS}" in first.stdout
-    assert not (tmp_path / "b" / "final").exists()
-    second = launch(strategy, b)
-    assert_ok(second)
-    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / f'step-{STOP:08d}'} at step {STOP}/{STEPS}" in second.stdout
-    assert_same_run(tmp_path / "a", tmp_path / "b", lora)
-    kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
-    assert kept == ["latest", "step-00000009", "step-00000010"]  # keep_last=2
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_mixture_stops_and_resumes_like_an_uninterrupted_run(strategy, tmp_path, tiny_model_dir, small_data):
-    """Two sources (alpaca, ShareGPT with tool calls) mixed 2:1 and evaluated each on its own: stopped
-    mid-epoch and resumed, the run repeats the uninterrupted one step for step, evaluations included."""
-    sources = [{"path": str(small_data), "format": "alpaca", "name": "alpaca", "weight": 2},
+def test_a_mixture_resumes_like_an_uninterrupted_run(strategy, tmp_path, tiny_model_dir, runs):
+    """Two sources (alpaca, ShareGPT with tool calls) mixed 2:1 and evaluated each on its own: resumed from
+    the step-5 checkpoint, the run repeats the uninterrupted one step for step, evaluations included. Under
+    DDP with LoRA dropout 0.1: the dropout RNG of every rank resumes too."""
+    sources = [{"path": str(small_data(runs)), "format": "alpaca", "name": "alpaca", "weight": 2},
                {"path": str(REPO / "data/tiny_sharegpt.jsonl"), "format": "sharegpt", "name": "tools",
                 "weight": 1, "eval_fraction": 0.05}]
-    runs = []
-    for name in ("a", "b"):
-        r = recipe(tmp_path, tiny_model_dir, small_data, name)
-        tree = yaml.safe_load(r.read_text())
-        tree["data"] = {"sources": sources, "max_seq_len": 256}
-        tree["training"]["eval_every"] = 3
-        r.write_text(yaml.safe_dump(tree))
-        runs.append(r)
-    assert_ok(launch(strategy, runs[0]))
-    assert_ok(launch(strategy, runs[1], overrides=[f"training.stop_at_step={STOP}"]))
-    second = launch(strategy, runs[1])
+    lora = {"dropout": 0.1} if strategy == "ddp" else False
+    a, b = (matrix_recipe(tmp_path, tiny_model_dir, {"sources": sources, "max_seq_len": 256}, name, lora=lora,
+                          training={"eval_every": 3}) for name in ("a", "b"))
+    assert_ok(launch(strategy, a))
+    checkpoint = tmp_path / "a" / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
+    second = launch(strategy, b, overrides=[f"output.resume={checkpoint}"])
     assert_ok(second)
-    assert f"at step {STOP}/{STEPS}" in second.stdout
-    assert_same_run(tmp_path / "a", tmp_path / "b", False)
+    assert f"at step {CHECKPOINT_EVERY}/{STEPS}" in second.stdout
+    assert_same_run(tmp_path / "a", tmp_path / "b", bool(lora), first_step=CHECKPOINT_EVERY + 1)
     evals = {name: {r["step"]: r["eval_loss/tools"] for r in read_metrics(tmp_path / name) if "eval_loss" in r}
              for name in ("a", "b")}
-    assert sorted(evals["a"]) == [3, 6, 9, 10] and evals["b"] == pytest.approx(evals["a"], rel=1e-6)
+    assert sorted(evals["a"]) == [3, 6, 9, 10] and sorted(evals["b"]) == [6, 9, 10]
+    assert evals["b"] == pytest.approx({s: evals["a"][s] for s in evals["b"]}, rel=1e-6)
 
 
 def start_make(target: str, recipe_path: Path, log_path: Path, env=None, *make_vars: str) -> subprocess.Popen:
@@ -125,36 +84,34 @@ def signal_the_launcher_after(job: subprocess.Popen, metrics: Path, lines: int) 
     launchers[0].send_signal(signal.SIGTERM)
 
 
-def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s(tmp_path, tiny_model_dir,
-                                                                                     small_data):
+def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s(tmp_path, tiny_model_dir, runs):
     """`make train-ddp`, the launcher signalled while the checkpoint save takes 35 s (tests/slow_save): the
     workers finish the step, checkpoint and exit before the launcher's shutdown timeout (SHUTDOWN_TIMEOUT),
     and the same command resumes from that checkpoint. Control: with a shutdown timeout shorter than the
     save, the launcher kills the workers inside it and no checkpoint is complete."""
     slow = {"PYTHONPATH": str(REPO / "tests" / "slow_save")}
-    runs = {}
+    made = {}
     for name, delay, make_vars in (("control", 8, ["SHUTDOWN_TIMEOUT=3"]), ("run", 35, [])):
-        r = recipe(tmp_path, tiny_model_dir, small_data, name)
-        r.write_text(r.read_text().replace(f"max_steps: {STEPS}", "max_steps: 400")
-                     .replace("checkpoint_every: 3", "checkpoint_every: null"))
+        r = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), name, training={"max_steps": 400},
+                          output={"checkpoint_every": None})
         job = start_make("train-ddp", r, tmp_path / f"{name}.log",
                          {**slow, "DISTTRAIN_TEST_SAVE_DELAY_S": str(delay)}, *make_vars)
         try:
             started = time.time()
             signal_the_launcher_after(job, tmp_path / name / "metrics.jsonl", lines=5)
             job.wait(timeout=180)
-            runs[name] = (r, (tmp_path / f"{name}.log").read_text(), time.time() - started)
+            made[name] = (r, (tmp_path / f"{name}.log").read_text(), time.time() - started)
         finally:
             kill_launch(job)
-    r, out, elapsed = runs["control"]
+    r, out, elapsed = made["control"]
     assert "checkpoint save delayed" in out, out[-3000:]
     assert not [p for p in (tmp_path / "control" / "checkpoints").iterdir() if p.name.startswith("step-")], out[-3000:]
-    r, out, elapsed = runs["run"]
+    r, out, elapsed = made["run"]
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
     assert stopped and elapsed > 35, out[-3000:]
     step = int(stopped[0].split()[3].split("/")[0])
     assert 5 <= step < 400 and (tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
-    resumed = launch("ddp", r, overrides=["training.max_steps=400", f"training.stop_at_step={step + 2}"])
+    resumed = launch("ddp", r, overrides=[f"training.stop_at_step={step + 2}"])
     assert_ok(resumed)
     assert f"step-{step:08d} at step {step}/400" in resumed.stdout
 
@@ -162,19 +119,18 @@ def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_
 LONG_STEPS = 60  # long enough that a rank killed after the first checkpoint (step 10) dies mid-run
 
 
-def long_recipe(tmp_path, model_dir, data, name):
-    path = recipe(tmp_path, model_dir, data, name)
-    path.write_text(path.read_text().replace(f"max_steps: {STEPS}", f"max_steps: {LONG_STEPS}")
-                    .replace("checkpoint_every: 3", "checkpoint_every: 10"))
-    return path
+def long_recipe(folder, model_dir, data, name):
+    return matrix_recipe(folder, model_dir, data, name, training={"max_steps": LONG_STEPS},
+                         output={"checkpoint_every": 10})
 
 
-@shared_run(scope="module")
-def long_uninterrupted(tmp_path_factory, tiny_model_dir, small_data) -> Path:
+@pytest.fixture
+def long_uninterrupted(runs, tiny_model_dir) -> Path:
     """The uninterrupted DDP run that the killed-rank and elastic-restart runs must end like (launched once)."""
-    tmp = tmp_path_factory.mktemp("long")
-    assert_ok(launch("ddp", long_recipe(tmp, tiny_model_dir, small_data, "a")))
-    return tmp / "a"
+    def make(folder):
+        assert_ok(launch("ddp", long_recipe(folder, tiny_model_dir, small_data(runs), "a")))
+        return folder / "a"
+    return runs.get("ddp-long", make)
 
 
 def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
@@ -188,11 +144,10 @@ def kill_rank_1_after_the_first_checkpoint(launcher, out_dir: Path) -> None:
     ranks[1].kill()
 
 
-def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, small_data,
-                                                             long_uninterrupted):
+def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_model_dir, runs, long_uninterrupted):
     """SIGKILL one rank mid-run: the job fails; the same command again resumes from the newest complete
     checkpoint and ends exactly where an uninterrupted run ends."""
-    b = long_recipe(tmp_path, tiny_model_dir, small_data, "b")
+    b = long_recipe(tmp_path, tiny_model_dir, small_data(runs), "b")
     log_path = tmp_path / "killed.log"
     proc = start_launch("ddp", b, log_path)
     try:
@@ -207,19 +162,15 @@ def test_killed_rank_then_relaunch_ends_with_the_same_weights(tmp_path, tiny_mod
     second = launch("ddp", b)
     assert_ok(second)
     assert "resumed from" in second.stdout
-    assert losses(tmp_path / "b") == pytest.approx(losses(long_uninterrupted), rel=1e-6, abs=1e-7)
-    wa, wb = final_weights(long_uninterrupted, False), final_weights(tmp_path / "b", False)
-    for key in wa:
-        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+    assert_same_run(long_uninterrupted, tmp_path / "b", False, steps=LONG_STEPS)
 
 
 def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, tiny_model_dir,
-                                                                                        small_data,
-                                                                                        long_uninterrupted):
+                                                                                        runs, long_uninterrupted):
     """`make train-ddp MAX_RESTARTS=1`: SIGKILL one rank after the first checkpoint; torchrun restarts both
     workers by itself, they resume from the newest complete checkpoint, and the job ends with exit 0 and the
     uninterrupted run's losses and weights."""
-    b = long_recipe(tmp_path, tiny_model_dir, small_data, "b")
+    b = long_recipe(tmp_path, tiny_model_dir, small_data(runs), "b")
     log_path = tmp_path / "elastic.log"
     job = start_make("train-ddp", b, log_path, None, "MAX_RESTARTS=1")
     try:
@@ -230,25 +181,21 @@ def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrup
     out = log_path.read_text()
     assert "failed (exitcode: -9)" in out and "resumed from" in out, out[-4000:]
     assert "shared rendezvous store" not in out  # MAX_RESTARTS set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    la, lb = losses(long_uninterrupted), losses(tmp_path / "b")
-    assert sorted(lb) == list(range(1, LONG_STEPS + 1)), "metrics continue across the restart without gap or duplicate"
-    assert lb == pytest.approx(la, rel=1e-6, abs=1e-7)
-    wa, wb = final_weights(long_uninterrupted, False), final_weights(tmp_path / "b", False)
-    for key in wa:
-        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+    # metrics continue across the restart without gap or duplicate, to the uninterrupted run's end
+    assert_same_run(long_uninterrupted, tmp_path / "b", False, steps=LONG_STEPS)
 
 
-def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, tiny_model_dir, small_data):
-    """SIGKILL every process the moment the step-6 checkpoint starts being written (as a node failure would):
-    the half-written save is never used, the relaunch resumes from step 3 and ends like an uninterrupted run."""
-    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
-    b = recipe(tmp_path, tiny_model_dir, small_data, "b")
-    assert_ok(launch("ddp", a))
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, tiny_model_dir, runs):
+    """SIGKILL every process the moment the step-10 checkpoint starts being written (as a node failure would):
+    the half-written save is never used, the relaunch resumes from step 5 and ends like the uninterrupted run
+    (the matrix's DDP run: same recipe)."""
+    uninterrupted = strategy_run(runs, tiny_model_dir, "ddp", False)
+    b = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "b")
     # every save waits 3 s after its .tmp dir exists (tests/slow_save), so the kill lands inside it even on a
     # loaded machine (a save of this tiny model takes milliseconds: a busy-wait could miss it)
     proc = start_launch("ddp", b, env={"PYTHONPATH": str(REPO / "tests" / "slow_save"),
                                        "DISTTRAIN_TEST_SAVE_DELAY_S": "3"})
-    tmp = tmp_path / "b" / "checkpoints" / ".tmp-step-00000006"
+    tmp = tmp_path / "b" / "checkpoints" / f".tmp-step-{STEPS:08d}"
     try:
         deadline = time.time() + 180
         while time.time() < deadline and not tmp.exists() and proc.poll() is None:
@@ -256,28 +203,31 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, 
     finally:
         kill_launch(proc)
     assert tmp.is_dir() and not (tmp / "manifest.json").exists(), "the kill did not land inside the save"
-    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == f"step-{CHECKPOINT_EVERY:08d}"
     second = launch("ddp", b)
     assert_ok(second)
-    assert "resumed from" in second.stdout and "step-00000003 at step 3/" in second.stdout
+    assert f"step-{CHECKPOINT_EVERY:08d} at step {CHECKPOINT_EVERY}/" in second.stdout
     assert not list((tmp_path / "b" / "checkpoints").glob(".tmp-*")), "the half-written save was not cleaned up"
-    assert_same_run(tmp_path / "a", tmp_path / "b", lora=False)
+    assert_same_run(uninterrupted.out, tmp_path / "b", lora=False)
 
 
-def test_interrupted_save_and_corrupt_checkpoints_are_never_loaded(tmp_path, tiny_model_dir, small_data):
-    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
-    assert_ok(launch("ddp", r, overrides=["training.stop_at_step=6"]))
+def test_interrupted_save_and_corrupt_checkpoints_are_never_loaded(tmp_path, tiny_model_dir, runs):
+    """On a copy of the matrix's finished DDP run, continued to step 12."""
+    finished = strategy_run(runs, tiny_model_dir, "ddp", False).out
+    shutil.copytree(finished, tmp_path / "run")
+    r = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "run", training={"max_steps": 12})
     root = tmp_path / "run" / "checkpoints"
-    assert (root / "latest").read_text() == "step-00000006"
+    assert (root / "latest").read_text() == f"step-{STEPS:08d}"
     # a save killed mid-way leaves a .tmp dir: resume ignores it and continues from the last complete one
-    partial = root / ".tmp-step-00000007"
-    shutil.copytree(root / "step-00000006", partial)
+    partial = root / f".tmp-step-{STEPS + 1:08d}"
+    shutil.copytree(root / f"step-{STEPS:08d}", partial)
     (partial / "manifest.json").unlink()
-    proc = launch("ddp", r, overrides=["training.stop_at_step=7"])
+    proc = launch("ddp", r, overrides=[f"training.stop_at_step={STEPS + 1}"])
     assert_ok(proc)
-    assert "resumed from" in proc.stdout and "step-00000006 at step 6" in proc.stdout
+    assert f"resumed from {root / f'step-{STEPS:08d}'} at step {STEPS}/12" in proc.stdout
     # a truncated shard in the newest checkpoint is named in one line, and nothing starts
     newest = root / (root / "latest").read_text()
+    assert newest.name == f"step-{STEPS + 1:08d}"
     victim = newest / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:100])
     proc = launch("ddp", r, timeout=120)
@@ -288,26 +238,29 @@ def test_interrupted_save_and_corrupt_checkpoints_are_never_loaded(tmp_path, tin
     assert proc.returncode != 0 and "output.resume=" in proc.stderr and "no such checkpoint directory" in proc.stderr
 
 
-def test_world_size_change(tmp_path, tiny_model_dir, small_data):
-    """FSDP2 (DCP) reshards to another process count when the global batch is kept; DeepSpeed explains."""
-    a = recipe(tmp_path, tiny_model_dir, small_data, "a")
-    r = recipe(tmp_path, tiny_model_dir, small_data, "run")
-    for path in (a, r):
-        text = path.read_text().replace("micro_batch_size: 2", "micro_batch_size: 1").replace("grad_accum: 2", "grad_accum: 3")
-        path.write_text(text)
-    assert_ok(launch("fsdp", a))
-    assert_ok(launch("fsdp", r, overrides=["training.stop_at_step=4"]))
-    # 3 processes x 1 x 2 = the same global batch of 6 rows as 2 x 1 x 3
-    assert_ok(launch("fsdp", r, nproc=3, overrides=["training.grad_accum=2"]))
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "run")
-    assert lb == pytest.approx(la, rel=1e-5)
-    bad = launch("fsdp", r, nproc=3, overrides=["training.max_steps=12"], timeout=120)
-    assert bad.returncode != 0 and "set training.grad_accum so that processes x micro_batch_size x grad_accum = 6" in bad.stderr
+def test_world_size_change(tmp_path, tiny_model_dir, runs):
+    """FSDP2 (DCP) reshards the matrix's 2-process step-5 checkpoint to 1 process when the global batch is kept
+    (1 x 2 x 2 = 2 x 1 x 2 rows) and continues like the uninterrupted run; a changed global batch is refused;
+    DeepSpeed explains why it cannot, naming zero_to_fp32.py."""
+    data = small_data(runs)
+    fsdp = strategy_run(runs, tiny_model_dir, "fsdp", False).out
+    checkpoint = fsdp / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
+    one = matrix_recipe(tmp_path, tiny_model_dir, data, "one", processes=1)
+    proc = launch("fsdp", one, nproc=1, overrides=[f"output.resume={checkpoint}"])
+    assert_ok(proc)
+    assert "processes=1" in proc.stdout and f"at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
+    la, lb = losses(fsdp), losses(tmp_path / "one")
+    assert sorted(lb) == list(range(CHECKPOINT_EVERY + 1, STEPS + 1))
+    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-5)
+    bad = launch("fsdp", one, nproc=1, overrides=[f"output.resume={checkpoint}", "training.grad_accum=1",
+                                                  "output.dir=" + str(tmp_path / "bad")], timeout=120)
+    assert bad.returncode != 0
+    assert "set training.grad_accum so that processes x micro_batch_size x grad_accum = 4" in bad.stderr
 
-    z = recipe(tmp_path, tiny_model_dir, small_data, "z")
-    assert_ok(launch("zero2", z, overrides=["training.stop_at_step=3"]))
-    proc = launch("zero2", z, nproc=1, overrides=["training.grad_accum=4"], timeout=120)
+    zero2 = strategy_run(runs, tiny_model_dir, "zero2", False).out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
+    proc = launch("zero2", one, nproc=1, overrides=[f"output.resume={zero2}", "output.dir=" + str(tmp_path / "z")],
+                  timeout=120)
     assert proc.returncode != 0
     assert "written by 2 processes, this run has 1: DeepSpeed ZeRO shards are per rank" in proc.stderr
-    script = tmp_path / "z" / "checkpoints" / "step-00000003" / "zero_to_fp32.py"  # where DeepSpeed writes it
+    script = zero2 / "zero_to_fp32.py"  # where DeepSpeed writes it
     assert script.is_file() and f"python {script} " in proc.stderr

@@ -1,11 +1,13 @@
-"""Same train.py, same recipe, only --config_file changes: every strategy must train the same model.
+"""Same train.py, same recipe, only --config_file changes: every strategy trains the model one process trains,
+and continues exactly from its own mid-run checkpoint.
 
-Reference: 1 process, micro_batch 2 x accum 2. Each strategy: 2 processes, micro_batch 1 x accum 2. Both
-see the same 4 rows per optimizer step (same seeded permutation; accelerate deals rows to ranks in turn)
-and the loss is token-normalised over the whole step, so in fp32 the runs differ only by floating-point
-summation order (all-reduce / reduce-scatter vs local sums, padded vs unpadded rows). That keeps per-step
-losses within 1e-4 relative and final weights within 1e-4 absolute after 10 AdamW steps; a real bug
-(wrong normalisation, a rank reading the same rows, a missed LR step) moves them by > 1e-2.
+The runs (tests/strategy_runs.py) are made once per session and shared. Equivalence: per-step losses within
+1e-4 relative and exported weights within 1e-4 absolute after 10 AdamW steps across an epoch boundary (only
+the summation order differs); a real bug (wrong normalisation, a rank reading the same rows, a missed LR
+step) moves them by > 1e-2. Resume: a new launch given the run's step-5 checkpoint (output.resume=<dir>)
+repeats steps 6-10 to 1e-6 and ends with the same weights: model, optimizer (sharded as the strategy
+shards it), schedule, data position mid-epoch with accumulation and the next epoch's reshuffle, all
+restored.
 """
 
 import json
@@ -14,59 +16,62 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_ok, base_recipe, launch, shared_run, write_recipe
+from conftest import assert_ok, launch
 from disttrain.metrics import read_metrics
+from strategy_runs import CHECKPOINT_EVERY, LORA, STEPS, STRATEGIES, matrix_recipe, small_data, strategy_run
 
 pytestmark = pytest.mark.launch
 
-STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
-STEPS = 10
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
-
-def recipe_for(tmp_path, model_dir, name, micro, lora):
-    sections = dict(training={"max_steps": STEPS, "micro_batch_size": micro, "grad_accum": 2, "lr": 2e-3,
-                              "lr_scheduler": "cosine", "warmup_steps": 2, "max_grad_norm": 1.0},
-                    data={"max_seq_len": 48})
-    if lora:
-        sections["lora"] = LORA
-    return write_recipe(tmp_path / f"{name}.yaml", base_recipe(model_dir, tmp_path / name, **sections))
-
-
-@shared_run(scope="module", params=[False, True], ids=["full", "lora"])
-def reference(request, tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("ref")
-    proc = launch("single_gpu", recipe_for(tmp, tiny_model_dir, "ref", 2, request.param), nproc=1)
-    assert_ok(proc)
-    return request.param, tmp / "ref"
+def lines(out, key="loss") -> dict:
+    return {r["step"]: r[key] for r in read_metrics(out) if key in r}
 
 
 def exported_weights(out_dir, lora: bool) -> dict:
-    name = "adapter_model.safetensors" if lora else "model.safetensors"
-    return load_file(out_dir / "final" / name)
+    return load_file(out_dir / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategy_matches_single_process(strategy, reference, tmp_path, tiny_model_dir):
-    lora, ref_dir = reference
-    out = tmp_path / strategy
-    proc = launch(strategy, recipe_for(tmp_path, tiny_model_dir, strategy, 1, lora))
-    assert_ok(proc)
-    assert "processes=2" in proc.stdout
+def test_strategy_matches_single_process(strategy, lora, runs, tiny_model_dir):
+    ref = strategy_run(runs, tiny_model_dir, "single_gpu", lora)
+    run = strategy_run(runs, tiny_model_dir, strategy, lora)
+    assert "processes=2" in run.stdout and "processes=1" in ref.stdout
 
-    ref_losses = [r["loss"] for r in read_metrics(ref_dir) if "loss" in r]
-    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
-    assert len(losses) == STEPS
+    ref_losses, losses = lines(ref.out), lines(run.out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses == pytest.approx(ref_losses, rel=1e-4), f"{strategy}: {losses} vs {ref_losses}"
-    lrs = [r["lr"] for r in read_metrics(out) if "lr" in r]
-    assert lrs == pytest.approx([r["lr"] for r in read_metrics(ref_dir) if "lr" in r])
+    assert lines(run.out, "lr") == pytest.approx(lines(ref.out, "lr"))
 
-    ref_w, w = exported_weights(ref_dir, lora), exported_weights(out, lora)
+    ref_w, w = exported_weights(ref.out, lora), exported_weights(run.out, lora)
     assert set(w) == set(ref_w)
     for key, value in ref_w.items():
         assert w[key].numel() > 0, f"{key} exported empty"  # the torch.Size([0]) adapter failure
         torch.testing.assert_close(w[key], value, atol=1e-4, rtol=1e-3, msg=f"{strategy}: {key}")
     if lora:
-        config = json.loads((out / "final" / "adapter_config.json").read_text())
+        config = json.loads((run.out / "final" / "adapter_config.json").read_text())
         assert config["r"] == LORA["r"]
-        assert not (out / "final" / "model.safetensors").exists()
+        assert not (run.out / "final" / "model.safetensors").exists()
+
+
+def assert_continues_exactly(uninterrupted, resumed, lora, first_step):
+    """`resumed` logged steps first_step..STEPS once each, equal to `uninterrupted`'s, and ended with its
+    weights (1e-6: the same computation in the same order)."""
+    la, lb = lines(uninterrupted), lines(resumed)
+    assert sorted(lb) == list(range(first_step, STEPS + 1)), "one line per step, no gap, no duplicate"
+    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-6, abs=1e-7)
+    wa, wb = exported_weights(uninterrupted, lora), exported_weights(resumed, lora)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
+def test_resume_from_a_mid_run_checkpoint_matches_uninterrupted(strategy, lora, runs, tiny_model_dir, tmp_path):
+    run = strategy_run(runs, tiny_model_dir, strategy, lora)
+    checkpoint = run.out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "resumed", lora=lora)
+    proc = launch(strategy, recipe, overrides=[f"output.resume={checkpoint}"])
+    assert_ok(proc)
+    assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
+    assert_continues_exactly(run.out, tmp_path / "resumed", lora, CHECKPOINT_EVERY + 1)

@@ -1,0 +1,69 @@
+"""The strategy matrix's runs: one per (strategy, full|LoRA), made once per test session (conftest.SharedRuns)
+and read by every claim it can prove: equal to one process (test_strategies), the uninterrupted run that a
+resumed run must repeat exactly (test_strategies, test_resume: kill during a save, corrupt checkpoints,
+another world size).
+
+Recipe: 35 alpaca rows, max_seq_len 48, 10 optimizer steps of 4 rows (cosine schedule after 2 warmup steps,
+gradient clipping), checkpoints at steps 5 and 10 (both kept). A strategy's run: 2 processes x micro-batch 1
+x accumulation 2; the reference: 1 process x micro-batch 2 x accumulation 2. Both see the same 4 rows per
+optimizer step (one seeded permutation; accelerate deals rows to the ranks in turn) and the loss is
+token-normalised over the whole step, so in fp32 they differ only by summation order. 8 steps per epoch
+(3 rows dropped): step 5 is mid-epoch with accumulation, and the runs cross into the second, reshuffled
+epoch at step 9.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+
+STEPS, CHECKPOINT_EVERY = 10, 5
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+@dataclass(frozen=True)
+class Run:
+    out: Path  # the run's output.dir
+    stdout: str
+
+
+def small_data(runs) -> Path:
+    """35 rows of the tiny alpaca set, one file for every test process."""
+    def make(folder: Path) -> Path:
+        path = folder / "small.jsonl"
+        path.write_text("".join((REPO / "data/tiny_alpaca.jsonl").read_text().splitlines(keepends=True)[:35]))
+        return path
+    return runs.get("small-data", make)
+
+
+def matrix_recipe(folder: Path, model_dir: Path, data: Path | dict, name: str, processes: int = 2,
+                  lora: bool | dict = False, **sections) -> Path:
+    """The matrix recipe written to folder/<name>.yaml, output.dir folder/<name>; `processes` sets the
+    micro-batch that keeps 4 rows per optimizer step (1 process: 2 rows, 2 processes: 1 row; x accum 2).
+    `data`: the file, or a whole data section; `lora`: True, or fields that replace LORA's; `sections`: fields
+    merged into the recipe's sections."""
+    tree = base_recipe(model_dir, folder / name, data={"path": str(data), "max_seq_len": 48},
+                       training={"max_steps": STEPS, "micro_batch_size": 2 // processes, "grad_accum": 2,
+                                 "lr": 2e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "max_grad_norm": 1.0},
+                       output={"checkpoint_every": CHECKPOINT_EVERY})
+    if isinstance(data, dict):
+        tree["data"] = data
+    if lora:
+        tree["lora"] = dict(LORA, **lora) if isinstance(lora, dict) else dict(LORA)
+    for section, values in sections.items():
+        tree.setdefault(section, {}).update(values)
+    return write_recipe(folder / f"{name}.yaml", tree)
+
+
+def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
+    """The uninterrupted run of `strategy` ("single_gpu": the one-process reference), launched once."""
+    def make(folder: Path) -> Run:
+        processes = 1 if strategy == "single_gpu" else 2
+        recipe = matrix_recipe(folder, model_dir, small_data(runs), "run", processes, lora)
+        proc = launch(strategy, recipe, nproc=processes)
+        assert_ok(proc)
+        return Run(folder / "run", proc.stdout)
+    return runs.get(f"{strategy}-{'lora' if lora else 'full'}", make)
