@@ -52,6 +52,29 @@ def _one_round(args, out: Path, order: tuple[str, ...]) -> dict[str, float]:
     return result
 
 
+def round_order(i: int) -> tuple[str, ...]:
+    """The runners of round i, rotated each round so that a slow phase of a shared machine does not always
+    hit the same runner."""
+    shift = i % len(RUNNERS)
+    return RUNNERS[shift:] + RUNNERS[:shift]
+
+
+def round_record(tokens: dict[str, float]) -> dict:
+    return {"tokens_per_s_per_device": tokens, "disttrain_over_raw": tokens["disttrain"] / tokens["raw_ddp"],
+            "disttrain_over_trainer": tokens["disttrain"] / tokens["hf_trainer"]}
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """Medians over rounds: of each runner's tokens/s, and of the per-round ratios (a/b, a/c: the runners of
+    one round saw the same machine, so ratios are taken within a round)."""
+    a_b = [r["disttrain_over_raw"] for r in rounds]
+    a_c = [r["disttrain_over_trainer"] for r in rounds]
+    return {"tokens_per_s_per_device": {k: statistics.median(r["tokens_per_s_per_device"][k] for r in rounds)
+                                        for k in RUNNERS},
+            "a_b": a_b, "a_c": a_c,
+            "disttrain_over_raw": statistics.median(a_b), "disttrain_over_trainer": statistics.median(a_c)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/tiny/sft.yaml")
@@ -73,22 +96,18 @@ def main(argv=None) -> None:
         raise DisttrainError("--rounds must be at least 1")
     rounds = []
     for i in range(args.rounds):
-        # rotate the order so that a slow phase of a shared machine does not always hit the same runner
-        shift = i % len(RUNNERS)
-        tokens = _one_round(args, out, RUNNERS[shift:] + RUNNERS[:shift])
-        rounds.append({"tokens_per_s_per_device": tokens,
-                       "disttrain_over_raw": tokens["disttrain"] / tokens["raw_ddp"],
-                       "disttrain_over_trainer": tokens["disttrain"] / tokens["hf_trainer"]})
+        tokens = _one_round(args, out, round_order(i))
+        rounds.append(round_record(tokens))
         print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v:,.0f}" for k, v in tokens.items())
               + f" tokens/s/device; a/b {rounds[-1]['disttrain_over_raw']:.3f}, "
               f"a/c {rounds[-1]['disttrain_over_trainer']:.3f}", flush=True)
-    median = {k: statistics.median(r["tokens_per_s_per_device"][k] for r in rounds) for k in RUNNERS}
-    a_b = [r["disttrain_over_raw"] for r in rounds]
-    a_c = [r["disttrain_over_trainer"] for r in rounds]
+    summary = summarise(rounds)
+    median, a_b, a_c = summary["tokens_per_s_per_device"], summary["a_b"], summary["a_c"]
     result = {"recipe": args.recipe, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
               "overrides": args.overrides, "trainer_unpacked": args.trainer_unpacked, "rounds": rounds,
               "tokens_per_s_per_device": median,  # medians over rounds
-              "disttrain_over_raw": statistics.median(a_b), "disttrain_over_trainer": statistics.median(a_c)}
+              "disttrain_over_raw": summary["disttrain_over_raw"],
+              "disttrain_over_trainer": summary["disttrain_over_trainer"]}
     (out / "overhead.json").write_text(json.dumps(result, indent=1))
     spread = (lambda v: f" (rounds: {min(v):.3f}-{max(v):.3f})") if args.rounds > 1 else (lambda v: "")
     table = "\n".join([

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -120,35 +119,6 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-# ZeRO-3 gathers and reduces every layer's weights in each micro-step: hundreds of small gloo collectives per
-# step, each of which waits for its peer rank to get a core. Next to another launch on the 2 cores that wait
-# is a scheduler slice each time (measured: a ZeRO-3-offload DPO launch, 35 s alone, took 246 s beside
-# another test process's launches). Those launches run alone: they take an exclusive lock that the other
-# launches share, so that other launches still run two at a time.
-ALONE = {"zero3", "zero3_offload"}
-_LAUNCH_LOCK = Path(tempfile.gettempdir()) / f"disttrain-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}.lock"
-
-
-_TURNSTILE = _LAUNCH_LOCK.with_suffix(".turnstile")
-
-
-@contextmanager
-def cores_for(config):
-    """Hold the test processes' launch lock: exclusively for a launch under an ALONE strategy, shared else.
-    Every launch passes a turnstile first, which a waiting ALONE launch holds: launches of other test
-    processes cannot keep it waiting by overlapping their shared holds."""
-    with open(_LAUNCH_LOCK, "a") as handle, open(_TURNSTILE, "a") as turnstile:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX if Path(str(config)).stem in ALONE else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str = "train.py",
            extra_args=(), timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it
@@ -156,8 +126,7 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
     cmd = launch_command(config, nproc, script, "--recipe", str(recipe_path), *overrides,
                          launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with cores_for(config):
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2,
