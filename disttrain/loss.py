@@ -348,7 +348,11 @@ class TokenLoss:
             inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
             return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
         out = self._chunked_output(model, batch)
-        loss = out.logits / num_items_in_batch  # the summed loss of the micro-batch
+        return self._with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
+
+    def _with_router_loss(self, loss: torch.Tensor, out) -> torch.Tensor:
+        """loss + router_aux_loss_coef x the forward's load-balancing loss (MoE with output_router_logits), per
+        micro-batch, as transformers (and TRL's DPO trainer) add it."""
         aux = getattr(out, "aux_loss", None)
         return loss + self.router_aux_coef * aux.to(loss.device) if self.router_aux_coef and aux is not None else loss
 

@@ -165,10 +165,10 @@ class PreferenceLoss(TokenLoss):
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         self._ref = self._reference_logps(model, batch)
-        loss = self._chunked(model, batch) / num_items_in_batch
+        out = self._chunked_output(model, batch)
         stats = self._last.double().sum(0)  # stays on the device until a log line
         self._window = stats if self._window is None else self._window + stats
-        return loss
+        return self._with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as for SFT
 
     def window_metrics(self, accelerator) -> dict:
         """Means over the pairs of all ranks since the last log line (one all-reduce)."""

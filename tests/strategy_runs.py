@@ -20,7 +20,9 @@ from pathlib import Path
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 
 STEPS, CHECKPOINT_EVERY = 10, 5
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+# merged on export too: every strategy's adapter merges into the base (test_launch_ddp reads the DDP one)
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "merge_on_export": True}
 STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
 
 

@@ -1,15 +1,14 @@
 """Real `accelerate launch` runs with 2 CPU processes (DDP over gloo), exactly as users launch them."""
 
 import json
-import os
-import subprocess
 from collections import Counter
 
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.metrics import read_metrics
+from strategy_runs import strategy_run
 
 pytestmark = pytest.mark.launch
 
@@ -44,31 +43,6 @@ def test_a_mixture_gives_every_rank_the_same_rows_in_disjoint_shards(tmp_path, t
     dataset = Counter(map(tuple, ranks[0]["dataset"]))
     a, b = (Counter(map(tuple, r["epochs"]["0"])) for r in ranks)
     assert not (a + b) - dataset, "a row was given to both ranks"
-
-
-@pytest.mark.parametrize("recipe", ["tiny/mix_sft.yaml", "tiny/cpt.yaml"])
-def test_shipped_tiny_data_recipes_train_under_make_train_ddp(recipe, tmp_path, tiny_model_dir):
-    """The mixed SFT recipe (three formats, per-source eval) and the continued-pretraining recipe, launched
-    the way the README says."""
-    out = tmp_path / "run"
-    args = f"model.name_or_path={tiny_model_dir} training.max_steps=6 training.eval_every=3 output.dir={out}"
-    proc = subprocess.run(["make", "-s", "train-ddp", "GPUS=2", f"MASTER_PORT={free_port()}",
-                           f"RECIPE=recipes/{recipe}", f"ARGS={args}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert_ok(proc)
-    evals = [r for r in read_metrics(out) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [3, 6]
-    report = json.loads((out / "data_report.json").read_text())
-    # only the main process tokenises; rank 1 reads its datasets cache
-    assert [r["tokenised_here"] for r in report["preparation_per_rank"] if r["rank"] != 0] == [False]
-    if recipe == "tiny/mix_sft.yaml":
-        assert set(report["train"]["sources"]) == {"alpaca", "chat", "tools"}
-        assert {"eval_loss/alpaca", "eval_loss/chat", "eval_loss/tools"} <= set(evals[0])
-        assert "mixture: tools:" in proc.stdout
-    else:
-        assert report["train"]["tokens"] == report["train"]["rows"] * 128
-        assert 0 <= report["train"]["dropped_remainder_tokens"] < 128 and report["train"]["truncated"] == 0
-    assert (out / "final" / "model.safetensors").is_file()
 
 
 def test_ddp_trains_logs_and_exports_a_loadable_model(tmp_path, tiny_model_dir):
@@ -139,15 +113,13 @@ def test_bad_data_line_fails_fast_with_file_and_line(tmp_path, tiny_model_dir):
     assert not (tmp_path / "out" / "final").exists()
 
 
-def test_lora_export_with_merged_model(tmp_path, tiny_model_dir):
-    out = tmp_path / "lora"
-    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
-        tiny_model_dir, out, lora={"r": 4, "alpha": 8, "dropout": 0.0, "merge_on_export": True}))
-    assert_ok(launch("ddp", recipe))
+def test_lora_export_with_merged_model(runs, tiny_model_dir):
+    """The strategy matrix's DDP LoRA run (lora.merge_on_export: true): the adapter and the merged model give
+    the same logits, and they differ from the base model's."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    final = out / "final"
+    final = strategy_run(runs, tiny_model_dir, "ddp", True).out / "final"
     assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
     adapter = AutoPeftModelForCausalLM.from_pretrained(final).eval()
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from conftest import REPO, base_recipe, free_port, write_recipe
+from strategy_runs import matrix_recipe, small_data, strategy_run
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
 
@@ -33,21 +34,19 @@ def finish(node, timeout=240) -> str:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_two_nodes_train_like_one(strategy, tmp_path, tiny_model_dir):
-    training = {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr_scheduler": "cosine"}
-    one = write_recipe(tmp_path / "one.yaml", base_recipe(tiny_model_dir, tmp_path / "one", training=training))
-    two = write_recipe(tmp_path / "two.yaml", base_recipe(tiny_model_dir, tmp_path / "two", training=training))
-    assert_ok(launch(strategy, one))
-
+def test_two_nodes_train_like_one(strategy, tmp_path, tiny_model_dir, runs):
+    """The strategy matrix's recipe on 2 nodes x 1 process equals its one-node run on 2 processes."""
+    one = strategy_run(runs, tiny_model_dir, strategy, False)
+    two = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "two")
     port = free_port()
     nodes = [make_node(strategy, rank, port, two) for rank in (0, 1)]
     outputs = [finish(node) for node in nodes]
     for node, out in zip(nodes, outputs):
         assert node.returncode == 0, out[-4000:]
     assert "processes=2" in outputs[0]
-    single = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
+    single = [r["loss"] for r in read_metrics(one.out) if "loss" in r]
     multi = [r["loss"] for r in read_metrics(tmp_path / "two") if "loss" in r]
-    assert multi == pytest.approx(single, rel=1e-5)
+    assert len(multi) == 10 and multi == pytest.approx(single, rel=1e-5)
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
 
 

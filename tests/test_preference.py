@@ -153,6 +153,47 @@ def test_chunked_gradient_equals_autograd_through_full_logits(loss, lora, tiny_m
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_moe_preference_loss_adds_the_router_loss_as_trl_does():
+    """A tiny Qwen3-MoE with output_router_logits (coefficient 1, so that it shows): the DPO loss made inside
+    lm_head plus router_aux_loss_coef x the forward's load-balancing loss of the pair batch -- what TRL's
+    DPOTrainer adds (loss + aux_loss_coef * aux_loss) -- in value and in every gradient, the router's included."""
+    from test_loss_families import tiny
+
+    cfg = PreferenceSection(loss="sigmoid", beta=0.5)
+    rows = [{"chosen_input_ids": [5, 6, 7, 8, 9], "chosen_labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9],
+             "rejected_input_ids": [5, 6, 11, 12], "rejected_labels": [IGNORE_INDEX, IGNORE_INDEX, 11, 12],
+             PAIR_INDEX: 0},
+            {"chosen_input_ids": [4, 13, 14], "chosen_labels": [IGNORE_INDEX, 13, 14],
+             "rejected_input_ids": [4, 15, 16, 17, 18, 19], "rejected_labels": [IGNORE_INDEX, 15, 16, 17, 18, 19],
+             PAIR_INDEX: 1}]
+    batch = PairCollator(0)(rows)
+    ref = torch.tensor([[-20.0, -25.0], [-9.0, -30.0]])
+
+    plain = tiny("qwen3_moe")
+    out = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    labels = batch["labels"][:, 1:]
+    logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    seq = (logp * (labels != IGNORE_INDEX)).sum(-1)
+    tokens = (labels != IGNORE_INDEX).sum(-1)
+    dpo = pair_losses(cfg, seq[:2], seq[2:], tokens[:2], tokens[2:], ref[:, 0], ref[:, 1])[0].sum()
+    assert out.aux_loss > 1e-2  # the router loss changes the total: the equality below proves it is added
+    expected = dpo + plain.config.router_aux_loss_coef * out.aux_loss
+    expected.backward()
+
+    chunked = tiny("qwen3_moe")
+    objective = PreferenceLoss(chunked, cfg, "precomputed")
+    objective.tables = {"train": ref}
+    got = objective.training_loss(chunked, batch, torch.tensor(1.0))
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    assert any("gate" in n for n in grads)
+    for name, p in chunked.named_parameters():
+        if name in grads:
+            # fp32 summation order only: gradients up to ~70 here (lm_head x 40), differences ~1e-5
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_pairs_stay_together_and_truncation_keeps_prompt_end_and_response_start(tokenizer):
     batch = _pair_batch(tokenizer)
     assert batch["input_ids"].shape[0] == 4 and batch[PAIR_INDEX].tolist() == [0, 1]

@@ -4,6 +4,8 @@ adapters disabled as the reference); a stopped run resumes exactly and does not 
 shipped tiny recipe learns its preference (accuracy above 0.9), with the metrics in metrics.jsonl and
 TensorBoard. Tolerances as in test_strategies.py (fp32: only summation order differs)."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +15,7 @@ from disttrain.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
 
-STEPS, STOP = 10, 5
+STEPS = 10
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen")
 
@@ -49,14 +51,14 @@ def weights(out, lora):
     return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
 
 
-def assert_same(a, b, rel, atol, accuracy=True):
-    """Every logged metric equal. The accuracy counts margins > 0, which flips on rounding while the policy
-    still equals the reference (margins ~1e-7): compared only between runs of one strategy."""
+def assert_same(a, b, rel, atol, accuracy=True, from_step=1):
+    """Every metric a logged from `from_step` on, equal in b (which logged nothing else). The accuracy counts
+    margins > 0, which flips on rounding while the policy still equals the reference (margins ~1e-7):
+    compared only between runs of one strategy."""
     keys = METRICS + ("eval_loss", "eval_rewards/margin") + (("eval_rewards/accuracy",) if accuracy else ())
     for key in keys:
-        if key.endswith("accuracy") and not accuracy:
-            continue
-        la, lb = lines(a, key), lines(b, key)
+        la = {step: value for step, value in lines(a, key).items() if step >= from_step}
+        lb = lines(b, key)
         assert sorted(la) == sorted(lb) and la, key
         assert lb == pytest.approx(la, rel=rel, abs=atol), key
 
@@ -68,7 +70,7 @@ def dpo_run(runs, model_dir, pairs, strategy, lora):
     def make(folder):
         single = strategy == "single_gpu"
         proc = launch(strategy, recipe_for(folder, model_dir, pairs, "run", 2 if single else 1, lora,
-                                           checkpoint_every=3), nproc=1 if single else 2)
+                                           checkpoint_every=3, keep_last=4), nproc=1 if single else 2)
         assert_ok(proc)
         return folder / "run", proc.stdout
     return runs.get(f"dpo-{strategy}-{'lora' if lora else 'full'}", make)
@@ -115,16 +117,19 @@ def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_dpo_resumes_exactly_without_recomputing_the_reference(strategy, tmp_path, tiny_model_dir, pairs, runs):
-    a, _ = dpo_run(runs, tiny_model_dir, pairs, strategy, False)  # the uninterrupted run
-    b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, checkpoint_every=3)
-    first = launch(strategy, b, overrides=[f"training.stop_at_step={STOP}"])
-    assert_ok(first)
-    assert "computed with the initial weights" in first.stdout
-    second = launch(strategy, b)
+    """A new launch given the uninterrupted run's step-6 checkpoint, in an output.dir holding the reference
+    log-probs that run computed (where a stopped run leaves them), reads them instead of recomputing and
+    repeats steps 7-10 exactly, evaluation included."""
+    a, stdout = dpo_run(runs, tiny_model_dir, pairs, strategy, False)  # the uninterrupted run
+    assert "computed with the initial weights" in stdout
+    b = recipe_for(tmp_path, tiny_model_dir, pairs, "b", 1, False, checkpoint_every=3, keep_last=4)
+    (tmp_path / "b").mkdir()
+    shutil.copy(a / "reference_logps.safetensors", tmp_path / "b")
+    second = launch(strategy, b, overrides=[f"output.resume={a / 'checkpoints' / 'step-00000006'}"])
     assert_ok(second)
-    assert f"at step {STOP}/{STEPS}" in second.stdout
+    assert f"at step 6/{STEPS}" in second.stdout
     assert "reference log-probs read from" in second.stdout and "computed with the initial" not in second.stdout
-    assert_same(a, tmp_path / "b", rel=1e-6, atol=1e-7)
+    assert_same(a, tmp_path / "b", rel=1e-6, atol=1e-7, from_step=7)
     wa, wb = weights(a, False), weights(tmp_path / "b", False)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)

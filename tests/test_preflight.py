@@ -1,5 +1,7 @@
 """`make preflight` on every shipped recipe: shrunk model of the same architecture, 2 CPU processes."""
 
+import json
+
 import pytest
 
 from conftest import REPO
@@ -35,7 +37,18 @@ def test_preflight_passes(recipe, strategy, tmp_path, tiny_model_dir):
                  overrides=overrides)
     assert [stage for stage, _, _ in report.rows] == ["recipe", "compatibility", "shrink", "save", "resume", "export"]
     assert not report.failed(), report.rows
-    assert (tmp_path / "pf" / "run" / "final").is_dir()
+    run_dir = tmp_path / "pf" / "run"
+    assert (run_dir / "final").is_dir()
+    # the shipped data recipes: only the main process tokenises (rank 1 reads its datasets cache), the
+    # mixture's three sources are mixed, the continued-pretraining rows are full 128-token chunks
+    data = json.loads((run_dir / "data_report.json").read_text())
+    assert [r["tokenised_here"] for r in data["preparation_per_rank"] if r["rank"] != 0] == [False]
+    if recipe == "tiny/mix_sft.yaml":
+        assert set(data["train"]["sources"]) == {"alpaca", "chat", "tools"}
+        assert "mixture: tools:" in (tmp_path / "pf" / "save.log").read_text()
+    if recipe == "tiny/cpt.yaml":
+        assert data["train"]["tokens"] == data["train"]["rows"] * 128
+        assert 0 <= data["train"]["dropped_remainder_tokens"] < 128 and data["train"]["truncated"] == 0
 
 
 def test_shrunk_model_keeps_the_architecture(tokenizer):

@@ -129,7 +129,7 @@ def test_a_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, tiny_mod
             data={"path": str(shards / "part-*.jsonl"), "streaming": True, "packing": True,
                   "eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
             training={"max_steps": STEPS, "micro_batch_size": 2, "eval_every": 4},
-            output={"checkpoint_every": SAVED, "save_final_model": False}))
+            output={"checkpoint_every": SAVED, "keep_last": 3, "save_final_model": False}))
 
     assert_ok(launch(strategy, recipe("a")))
     saved = tmp_path / "a" / "checkpoints" / f"step-{SAVED:08d}"
