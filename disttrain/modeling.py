@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -110,13 +111,32 @@ def export(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSectio
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if merge_lora and is_peft_model(unwrapped):
-            _save_merged(tmp, unwrapped, spec)
+            with _without_zero3_init(accelerator):
+                _save_merged(tmp, unwrapped, spec)
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     accelerator.wait_for_everyone()
     return out
+
+
+@contextmanager
+def _without_zero3_init(accelerator):
+    """While a ZeRO-3 config is registered, transformers builds every model inside DeepSpeed's zero.Init, whose
+    partitioning is a collective: the merged copy, built on the main process alone, would wait there for
+    ranks that never join (the export hung under ZeRO-3). Unregistered meanwhile, restored after."""
+    registered = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "dschf", None)
+    if registered is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
 
 
 def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection) -> None:
