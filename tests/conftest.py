@@ -126,7 +126,13 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
     cmd = launch_command(config, nproc, script, "--recipe", str(recipe_path), *overrides,
                          launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_launch(proc)  # its ranks too: a hung launch must not hold the cores for the rest of the suite
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2,
