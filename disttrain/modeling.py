@@ -126,7 +126,8 @@ def _without_zero3_init(accelerator):
     """While a ZeRO-3 config is registered, transformers builds every model inside DeepSpeed's zero.Init, whose
     partitioning is a collective: the merged copy, built on the main process alone, would wait there for
     ranks that never join (the export hung under ZeRO-3). Unregistered meanwhile, restored after."""
-    registered = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "dschf", None)
+    state = getattr(accelerator, "state", None)
+    registered = getattr(getattr(state, "deepspeed_plugin", None), "dschf", None)
     if registered is None:
         yield
         return
