@@ -152,7 +152,7 @@ TEST_JOBS   ?= 2
 test: tiny ## the whole suite, what CI runs: unit tests + real multi-process launches on CPU (TEST_JOBS processes)
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
-test-fast: tiny ## the unit tests only, no launches, no downloads (< 1 min): the inner loop while developing
+test-fast: tiny ## the unit tests only, no launches, no downloads (~30 s): the inner loop while developing
 	$(PY) -m pytest -m "not launch and not network" $(PYTEST_ARGS)
 
 clean: ## remove outputs and the tiny model (keeps .venv)
