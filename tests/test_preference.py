@@ -99,14 +99,14 @@ def test_orpo_equals_trl_odds_ratio_plus_the_chosen_nll():
     torch.testing.assert_close(log1mexp(x), torch.log(1 - torch.exp(x.double())).float(), rtol=1e-5, atol=1e-6)
 
 
-def _pair_batch(tokenizer):
+def _pair_batch(pad_id: int):
     rows = [{"chosen_input_ids": [5, 6, 7, 8, 9], "chosen_labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9],
              "rejected_input_ids": [5, 6, 11, 12], "rejected_labels": [IGNORE_INDEX, IGNORE_INDEX, 11, 12],
              PAIR_INDEX: 0},
             {"chosen_input_ids": [4, 13, 14], "chosen_labels": [IGNORE_INDEX, 13, 14],
              "rejected_input_ids": [4, 15, 16, 17, 18, 19], "rejected_labels": [IGNORE_INDEX, 15, 16, 17, 18, 19],
              PAIR_INDEX: 1}]
-    return PairCollator(tokenizer.pad_token_id)(rows)
+    return PairCollator(pad_id)(rows)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo", "orpo"])
@@ -127,7 +127,7 @@ def test_chunked_gradient_equals_autograd_through_full_logits(loss, lora, tiny_m
         return m
 
     cfg = PreferenceSection(loss=loss, beta=0.5)
-    batch = _pair_batch(tokenizer)
+    batch = _pair_batch(tokenizer.pad_token_id)
     ref = torch.tensor([[-20.0, -25.0], [-9.0, -30.0]])
 
     plain = model()
@@ -160,13 +160,7 @@ def test_moe_preference_loss_adds_the_router_loss_as_trl_does():
     from test_loss_families import tiny
 
     cfg = PreferenceSection(loss="sigmoid", beta=0.5)
-    rows = [{"chosen_input_ids": [5, 6, 7, 8, 9], "chosen_labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9],
-             "rejected_input_ids": [5, 6, 11, 12], "rejected_labels": [IGNORE_INDEX, IGNORE_INDEX, 11, 12],
-             PAIR_INDEX: 0},
-            {"chosen_input_ids": [4, 13, 14], "chosen_labels": [IGNORE_INDEX, 13, 14],
-             "rejected_input_ids": [4, 15, 16, 17, 18, 19], "rejected_labels": [IGNORE_INDEX, 15, 16, 17, 18, 19],
-             PAIR_INDEX: 1}]
-    batch = PairCollator(0)(rows)
+    batch = _pair_batch(0)  # the tiny MoE's pad id
     ref = torch.tensor([[-20.0, -25.0], [-9.0, -30.0]])
 
     plain = tiny("qwen3_moe")
@@ -195,7 +189,7 @@ def test_moe_preference_loss_adds_the_router_loss_as_trl_does():
 
 
 def test_pairs_stay_together_and_truncation_keeps_prompt_end_and_response_start(tokenizer):
-    batch = _pair_batch(tokenizer)
+    batch = _pair_batch(tokenizer.pad_token_id)
     assert batch["input_ids"].shape[0] == 4 and batch[PAIR_INDEX].tolist() == [0, 1]
     assert batch["labels"][0, 2:5].tolist() == [7, 8, 9] and batch["labels"][2, 2:4].tolist() == [11, 12]
     prompt = list(range(100, 110))
