@@ -17,7 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file
+
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from disttrain.metrics import read_metrics
 
 STEPS, CHECKPOINT_EVERY = 10, 5
 # merged on export too: every strategy's adapter merges into the base (test_launch_ddp reads the DDP one)
@@ -69,3 +74,22 @@ def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
         assert_ok(proc)
         return Run(folder / "run", proc.stdout)
     return runs.get(f"{strategy}-{'lora' if lora else 'full'}", make)
+
+
+def losses(out: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def final_weights(out: Path, lora: bool) -> dict:
+    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def assert_same_run(a: Path, b: Path, lora: bool, steps: int = STEPS, first_step: int = 1) -> None:
+    """b (resumed, or killed and relaunched) logged steps first_step..steps once each, equal to the
+    uninterrupted a's, and ended with its weights (1e-6: the same computation in the same order)."""
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == list(range(first_step, steps + 1)), "one line per step, no gap, no duplicate"
+    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-6, abs=1e-7)
+    wa, wb = final_weights(a, lora), final_weights(b, lora)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)

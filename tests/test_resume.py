@@ -12,33 +12,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from conftest import (REPO, assert_ok, free_port, kill_launch, launch, rank_processes, start_launch)
 from disttrain.diagnose import diagnose
 from disttrain.metrics import read_metrics
-from strategy_runs import CHECKPOINT_EVERY, STEPS, matrix_recipe, small_data, strategy_run
+from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, losses, matrix_recipe, small_data,
+                           strategy_run)
 
 pytestmark = pytest.mark.launch
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
-
-
-def final_weights(out, lora):
-    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
-
-
-def assert_same_run(a, b, lora, steps=STEPS, first_step=1):
-    """b (killed or resumed) logged each of its steps once and equals the uninterrupted a, weights included."""
-    la, lb = losses(a), losses(b)
-    assert sorted(lb) == list(range(first_step, steps + 1)), "one line per step, no gap, no duplicate"
-    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-6, abs=1e-7)
-    wa, wb = final_weights(a, lora), final_weights(b, lora)
-    for key in wa:
-        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

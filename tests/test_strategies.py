@@ -14,21 +14,17 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import assert_ok, launch
 from disttrain.metrics import read_metrics
-from strategy_runs import CHECKPOINT_EVERY, LORA, STEPS, STRATEGIES, matrix_recipe, small_data, strategy_run
+from strategy_runs import (CHECKPOINT_EVERY, LORA, STEPS, STRATEGIES, assert_same_run, final_weights, matrix_recipe, small_data,
+                           strategy_run)
 
 pytestmark = pytest.mark.launch
 
 
 def lines(out, key="loss") -> dict:
     return {r["step"]: r[key] for r in read_metrics(out) if key in r}
-
-
-def exported_weights(out_dir, lora: bool) -> dict:
-    return load_file(out_dir / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -43,7 +39,7 @@ def test_strategy_matches_single_process(strategy, lora, runs, tiny_model_dir):
     assert losses == pytest.approx(ref_losses, rel=1e-4), f"{strategy}: {losses} vs {ref_losses}"
     assert lines(run.out, "lr") == pytest.approx(lines(ref.out, "lr"))
 
-    ref_w, w = exported_weights(ref.out, lora), exported_weights(run.out, lora)
+    ref_w, w = final_weights(ref.out, lora), final_weights(run.out, lora)
     assert set(w) == set(ref_w)
     for key, value in ref_w.items():
         assert w[key].numel() > 0, f"{key} exported empty"  # the torch.Size([0]) adapter failure
@@ -52,17 +48,6 @@ def test_strategy_matches_single_process(strategy, lora, runs, tiny_model_dir):
         config = json.loads((run.out / "final" / "adapter_config.json").read_text())
         assert config["r"] == LORA["r"]
         assert not (run.out / "final" / "model.safetensors").exists()
-
-
-def assert_continues_exactly(uninterrupted, resumed, lora, first_step):
-    """`resumed` logged steps first_step..STEPS once each, equal to `uninterrupted`'s, and ended with its
-    weights (1e-6: the same computation in the same order)."""
-    la, lb = lines(uninterrupted), lines(resumed)
-    assert sorted(lb) == list(range(first_step, STEPS + 1)), "one line per step, no gap, no duplicate"
-    assert lb == pytest.approx({s: la[s] for s in lb}, rel=1e-6, abs=1e-7)
-    wa, wb = exported_weights(uninterrupted, lora), exported_weights(resumed, lora)
-    for key in wa:
-        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -74,4 +59,4 @@ def test_resume_from_a_mid_run_checkpoint_matches_uninterrupted(strategy, lora, 
     proc = launch(strategy, recipe, overrides=[f"output.resume={checkpoint}"])
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
-    assert_continues_exactly(run.out, tmp_path / "resumed", lora, CHECKPOINT_EVERY + 1)
+    assert_same_run(run.out, tmp_path / "resumed", lora, first_step=CHECKPOINT_EVERY + 1)
