@@ -4,7 +4,7 @@
 
 Each strategy is a real `accelerate launch` of train.py with logging every step; the first --warmup steps
 are left out of every average. Writes <out>/results.json (read by `make cost --bench`), results.md and
-results.png. Throughput is non-padding tokens; MFU is against the device's dense peak (see README).
+results.png. Throughput is non-padding tokens; MFU is against the device's dense peak (docs/outputs.md, "Logged metrics").
 """
 
 from __future__ import annotations
