@@ -61,7 +61,7 @@ def test_the_pure_python_parts_install_into_a_target_and_import_from_it(tmp_path
                                "-d", str(wheels), *spec], capture_output=True, text=True, timeout=300)
     assert download.returncode == 0, download.stderr[-2000:]
     assert len(list(wheels.glob("*.whl"))) == len(pure)
-    from acceptance import install_wheels
+    from kit_install import install_wheels
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # install_wheels puts the target first on both
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))

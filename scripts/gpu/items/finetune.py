@@ -1,0 +1,52 @@
+"""Full fine-tuning items: bf16 under one process, FSDP2, ZeRO-2, ZeRO-3 and a streamed feed, each an
+uninterrupted run and a resumed one that must repeat it; and 8-bit Adam (bitsandbytes)."""
+
+from __future__ import annotations
+
+from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read_metrics, recipe, \
+    require_finite_losses, train
+
+def full_finetune(ctx: Ctx, config: str, streaming: bool = False) -> tuple[str, str]:
+    """Uninterrupted vs a new launch resumed from the uninterrupted run's step-N/2 checkpoint: the same
+    per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
+    batches to the GPU itself; each rank's position from the checkpoint)."""
+    if config.startswith("zero"):
+        ok, why = ctx.importable("deepspeed")
+        if not ok:
+            raise Fail(f"deepspeed does not import: {why}")
+    n, stop = ctx.s.steps, ctx.s.steps // 2
+    ckpt = {"checkpoint_every": stop, "keep_last": 2}
+    data = {"streaming": True} if streaming else {}
+    a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
+    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data))
+    ref = require_finite_losses(a, n, log_a)
+    saved = a / "checkpoints" / f"step-{stop:08d}"
+    second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data),
+                          (f"output.resume={saved}",))
+    if f"resumed from {saved} at step {stop}/{n}" not in second.stdout:
+        raise Fail(f"the launch given output.resume={saved} did not say 'resumed from {saved} at step {stop}/{n}'",
+                   log_b)
+    resumed_from = [r.get("resumed_from_step") for r in read_metrics(b) if "resumed_from_step" in r]
+    if resumed_from != [stop]:
+        raise Fail(f"metrics.jsonl marks resumed_from_step {resumed_from}, expected [{stop}]", log_b)
+    got = require_finite_losses(b, n, log_b, first=stop + 1)
+    diff = max_rel_diff(ref, got)
+    ctx.figures.update(steps=n, resumed_at=stop, final_loss=ref[n], max_rel_loss_diff=diff)
+    if diff > ctx.s.loss_rtol:
+        raise Fail(f"resumed losses differ from the uninterrupted run by rel {diff:.3g} > {ctx.s.loss_rtol:g}: "
+                   f"{ {k: (ref[k], got[k]) for k in got} }", log_b)
+    check_full_export(ctx, b / "final", log_b)
+    return PASS, f"resumed at {stop}/{n}: max rel loss diff {diff:.2g} (<= {ctx.s.loss_rtol:g}); final/ loads"
+
+
+def adamw_8bit(ctx: Ctx) -> tuple[str, str]:
+    ok, why = ctx.importable("bitsandbytes")
+    if not ok:
+        raise Skip(f"bitsandbytes does not import ({why}): carry its wheel with --wheels")
+    run = ctx.item_dir / "run"
+    _, log = train(ctx, "run", "single_gpu", recipe(ctx, run, training={"optimizer": "adamw_8bit"}))
+    found = require_finite_losses(run, ctx.s.steps, log)
+    check_full_export(ctx, run / "final", log)
+    ctx.figures.update(first_loss=found[1], final_loss=found[ctx.s.steps])
+    return PASS, f"{ctx.s.steps} steps, losses finite ({found[1]:.3f} -> {found[ctx.s.steps]:.3f}); final/ loads"
+

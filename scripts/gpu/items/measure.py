@@ -1,0 +1,118 @@
+"""Items that measure the machine (they run alone): make doctor on NCCL, FSDP2 peak memory with and without
+per-micro-batch sync, activation offloading's memory and time, the MFU table, the loss's share of memory."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from harness import FAIL, INFO, PASS, REPO, Ctx, Fail, error_line, max_rel_diff, read_metrics, recipe, \
+    require_finite_losses, run_cmd, train
+
+GPU_FIGURES = REPO / "scripts/bench/gpu_figures.py"
+
+def doctor_nccl(ctx: Ctx) -> tuple[str, str]:
+    """`make doctor` on one process: exit 0, its NCCL / GPU / bandwidth lines kept."""
+    import yaml
+
+    ctx.item_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.item_dir / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(ctx, ctx.item_dir / "run"), sort_keys=False))
+    timeout = max(30, int(ctx.remaining()) - 20)
+    cmd = [sys.executable, "-m", "disttrain.doctor", "--nproc", "1", "--recipe", str(path), "--json",
+           "--timeout-s", str(timeout), "--max-bytes", str(64 << 20 if ctx.s.device == "cuda" else 1 << 20)]
+    proc, log = run_cmd(ctx, "doctor", cmd)
+    try:  # stdout and stderr share the log: the report is the JSON object that starts on a line "{"
+        start = proc.stdout.rindex("\n{\n") + 1 if "\n{\n" in proc.stdout else proc.stdout.index("{")
+        report, _ = json.JSONDecoder().raw_decode(proc.stdout[start:])
+    except ValueError:
+        raise Fail(f"doctor exit {proc.returncode}, no JSON report: {error_line(proc)}", log) from None
+    keep = ("torch", "cuda runtime vs driver", "nccl", "gpu", "all_reduce bandwidth", "interconnect")
+    lines = {c["name"]: f"{c['status']} {c['detail']}" for c in report["checks"]
+             if c["name"] in keep or c["name"].startswith("gpu ")}
+    ctx.figures.update(lines)
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if c["status"] == "FAIL"]
+    if proc.returncode != 0:
+        raise Fail(f"doctor exit {proc.returncode}: FAIL lines: {'; '.join(failed) or error_line(proc)}", log)
+    nccl = lines.get("nccl", "no nccl line (no GPU)")
+    return PASS, f"exit 0; nccl: {nccl}"
+
+
+def fsdp_sync_memory(ctx: Ctx) -> tuple[str, str]:
+    """FSDP2 with grad_accum 4, distributed.fsdp_sync_each_micro_batch true vs false: peak memory of each."""
+    peaks = {}
+    for sync in (True, False):
+        label = f"sync_{str(sync).lower()}"
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, training={"max_steps": 3, "grad_accum": 4},
+                      distributed={"fsdp_sync_each_micro_batch": sync},
+                      output={"save_final_model": False, "checkpoint_at_end": False})
+        _, log = train(ctx, label, "fsdp", tree)
+        require_finite_losses(run, 3, log)
+        peaks[label] = max(r["peak_mem_gb"] for r in read_metrics(run) if "peak_mem_gb" in r)
+    ctx.figures.update(peak_mem_gb=peaks)
+    return INFO, (f"peak GB sync each micro-batch {peaks['sync_true']:.3f}, sync on the last only "
+                  f"{peaks['sync_false']:.3f} (world size 1: the shard is the whole model; information only)")
+
+
+def offload_activations(ctx: Ctx) -> tuple[str, str]:
+    """training.offload_activations (save_on_cpu, pinned): the same losses as without, with its peak GPU
+    memory and step time next to the plain run's (the speed cost is what docs still lack)."""
+    runs = {}
+    for offload in (False, True):
+        label = f"offload_{str(offload).lower()}"
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, training={"max_steps": 6, "offload_activations": offload},
+                      output={"save_final_model": False, "checkpoint_at_end": False})
+        _, log = train(ctx, label, "single_gpu", tree)
+        records = [r for r in read_metrics(run) if "loss" in r]
+        runs[label] = (require_finite_losses(run, 6, log), max(r["peak_mem_gb"] for r in records),
+                       sorted(r["step_time_s"] for r in records)[len(records) // 2])
+    (plain, plain_peak, plain_s), (offload, offload_peak, offload_s) = runs["offload_false"], runs["offload_true"]
+    diff = max_rel_diff(plain, offload)
+    ctx.figures.update(max_rel_loss_diff=diff, peak_mem_gb=[plain_peak, offload_peak], step_s=[plain_s, offload_s])
+    summary = (f"losses max rel diff {diff:.2e}; peak {plain_peak:.3f} -> {offload_peak:.3f} GB; step "
+               f"{plain_s:.3f} -> {offload_s:.3f} s")
+    return (PASS if diff <= 1e-3 else FAIL), summary
+
+
+def mfu(ctx: Ctx) -> tuple[str, str]:
+    """scripts/bench/gpu_figures.py (0.84B, seq 2048) on single and fsdp, its table kept."""
+    out, work = ctx.item_dir / "figures", ctx.item_dir / "figures_work"
+    per_launch = max(30, int((ctx.remaining() - 40) / 2))  # the 0.84B model is built first (~20 s)
+    cmd = [sys.executable, str(GPU_FIGURES), "--configs", "single,fsdp", "--steps", "20", "--warmup", "10",
+           "--out", str(out), "--work", str(work), "--timeout", str(per_launch)]
+    proc, log = run_cmd(ctx, "gpu_figures", cmd)
+    result = out / "gpu_figures.json"
+    if result.is_file():
+        figures = json.loads(result.read_text())
+        ctx.figures.update(meta=figures["meta"], rows=figures["rows"], table=(out / "gpu_figures.md").read_text())
+        inner = out / "launches.log"
+        if inner.is_file():
+            with ctx.lock, ctx.launches_log.open("a") as f:
+                f.write(f"\n===== {ctx.item} / gpu_figures launches\n{inner.read_text()}")
+    if proc.returncode != 0:
+        failed = "; ".join(f"{r['config']}: {r['error']}" for r in ctx.figures.get("rows", []) if "error" in r)
+        raise Fail(f"gpu_figures.py exit {proc.returncode}: {failed or error_line(proc)}", log)
+    rows = ctx.figures["rows"]
+    return PASS, "; ".join(f"{r['config']}: MFU {r['mfu']:.1%}, {r['tokens_per_s_per_device']:,.0f} tok/s, "
+                           f"{r['peak_mem_gb']:.1f} GB" for r in rows)
+
+
+def loss_memory(ctx: Ctx) -> tuple[str, str]:
+    """disttrain.bench_memory on one GPU (single and FSDP2, vocab 152k, seq 4096): the loss's share of peak
+    memory with full logits vs chunked; PASS when chunked cuts it at least 8x."""
+    out = ctx.item_dir / "bench_memory"
+    cmd = [sys.executable, "-m", "disttrain.bench_memory", "--strategies", "single_gpu,fsdp", "--nproc", "1",
+           "--seq", "4096", "--steps", "4", "--warmup", "2", "--out", str(out),
+           "--timeout", str(max(30, int(ctx.remaining() / 6)))]
+    proc, log = run_cmd(ctx, "bench_memory", cmd)
+    if proc.returncode != 0 or not (out / "results.json").is_file():
+        raise Fail(f"bench_memory exit {proc.returncode}: {error_line(proc)}", log)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ctx.figures.update(rows=rows, table=(out / "results.md").read_text())
+    worst = min(r["reduction"] for r in rows)
+    summary = "; ".join(f"{r['strategy']}: loss {r['plain_loss_gb']:.2f} -> {r['chunked_loss_gb']:.2f} GB "
+                        f"({r['reduction']:.1f}x), step time x{r['step_time_ratio']:.2f}" for r in rows)
+    return (PASS if worst >= 8 else FAIL), summary
+

@@ -1,0 +1,57 @@
+"""Packing items: packed examples isolated under sdpa and flash-attention (model level, packing_isolation.py)
+and the same eval loss packed and unpacked through train.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from harness import PASS, REPO, Ctx, Fail, Skip, error_line, read_metrics, recipe, run_cmd, train
+
+PACKING_SCRIPT = REPO / "scripts/gpu/packing_isolation.py"
+
+def packing(ctx: Ctx, attn: str) -> tuple[str, str]:
+    """Model level (packing_isolation.py) and training level (eval loss of the initial weights, packed vs
+    unpacked, through train.py)."""
+    if attn.startswith("flash_attention"):
+        ok, why = ctx.importable("flash_attn")
+        if not ok:
+            raise Skip(f"flash_attn does not import ({why}): carry a flash-attn wheel built for this torch/CUDA")
+    if not PACKING_SCRIPT.is_file():
+        raise Fail(f"{PACKING_SCRIPT.relative_to(REPO)} is missing")
+    out = ctx.item_dir / "isolation.json"
+    proc, log = run_cmd(ctx, "isolation", [sys.executable, str(PACKING_SCRIPT), "--model", str(ctx.model_dir),
+                                           "--attn", attn, "--device", ctx.s.device, "--dtype", ctx.s.dtype,
+                                           "--json", str(out)])
+    if not out.is_file():  # it exits 1 when not isolated, with its report written: that is judged below
+        raise Fail(f"packing_isolation.py exit {proc.returncode}, no report: {error_line(proc)}", log)
+    isolation = json.loads(out.read_text())
+    ctx.figures.update({k: v for k, v in isolation.items() if isinstance(v, (bool, int, float, str))})
+    if not isolation["isolated"]:
+        raise Fail(f"packing_isolation.py: packed examples are not isolated under {attn} "
+                   f"(max abs diff {isolation['max_abs_diff']:.3g})", log)
+    # train.py evaluates only after a step; with lr 1e-30 that step moves no fp32 master weight (an Adam
+    # update is ~lr), so the eval at step 1 is the eval of the initial weights, packed or not.
+    evals = {}
+    for packed in (True, False):
+        label = "packed" if packed else "unpacked"
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, model={"attn_implementation": attn},
+                      data={"packing": packed, "eval_fraction": 0.2},
+                      training={"max_steps": 1, "lr": 1e-30, "lr_scheduler": "constant", "warmup_steps": 0,
+                                "eval_every": 1},
+                      output={"save_final_model": False, "checkpoint_at_end": False})
+        _, log = train(ctx, label, "single_gpu", tree)
+        found = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
+        if len(found) != 1 or not math.isfinite(found[0]):
+            raise Fail(f"{label}: expected one finite eval_loss in metrics.jsonl, got {found}", log)
+        evals[label] = found[0]
+    rel = abs(evals["packed"] - evals["unpacked"]) / abs(evals["unpacked"])
+    ctx.figures.update(eval_loss_packed=evals["packed"], eval_loss_unpacked=evals["unpacked"], eval_rel_diff=rel)
+    if rel > ctx.s.eval_rtol:
+        raise Fail(f"eval loss at init: packed {evals['packed']:.6g} vs unpacked {evals['unpacked']:.6g} "
+                   f"(rel {rel:.3g} > {ctx.s.eval_rtol:g})", log)
+    return PASS, (f"isolated (max abs diff {isolation['max_abs_diff']:.2g}); eval loss at init packed "
+                  f"{evals['packed']:.5g} = unpacked {evals['unpacked']:.5g} (rel {rel:.2g} <= {ctx.s.eval_rtol:g})")
+
