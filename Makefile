@@ -32,7 +32,7 @@ MAX_RESTARTS ?= 0
 
 # One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
 # configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
-# Node 0 first checks that the rendezvous port is free and names its owner if not (disttrain/ports.py).
+# Node 0 first checks that the rendezvous port is free and names its owner if not (disttrain/runtime/ports.py).
 # MAX_RESTARTS=N: torchrun restarts all workers up to N times after a failure (they resume from the newest
 # checkpoint); that needs the c10d rendezvous, on MASTER_ADDR:MASTER_PORT (PET_RDZV_ENDPOINT: accelerate sets
 # it only for several nodes, torch's default is a fixed port 29400), and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -40,7 +40,7 @@ MAX_RESTARTS ?= 0
 # addresses: pytorch/pytorch#135712, "Connection refused" in gloo's/NCCL's connect).
 RESTART_ENV = $(if $(filter-out 0,$(MAX_RESTARTS)),TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
 	PET_RDZV_ENDPOINT=$(MASTER_ADDR):$(MASTER_PORT))
-LAUNCH = $(PY) -m disttrain.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
+LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
 	TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(RESTART_ENV) \
 	$(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
@@ -77,7 +77,7 @@ $(VENV)/.installed: pyproject.toml
 tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
 
 $(TINY_MODEL)/config.json:
-	$(PY) -m disttrain.tiny model --out $(TINY_MODEL)
+	$(PY) -m disttrain.tools.tiny model --out $(TINY_MODEL)
 
 train: tiny ## train RECIPE on 1 process (GPU if present, else CPU): the embedded default
 	$(ACCELERATE) launch --config_file accelerate_configs/single_gpu.yaml train.py --recipe $(RECIPE) $(ARGS)
@@ -107,25 +107,25 @@ resume: tiny ## resume RECIPE under STRATEGY from the newest complete checkpoint
 	$(call LAUNCH,$(STRATEGY)) train.py --recipe $(RECIPE) output.resume=auto $(ARGS)
 
 preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrunk model (before renting GPUs)
-	$(PY) -m disttrain.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)
+	$(PY) -m disttrain.tools.preflight --recipe $(RECIPE) --strategy $(STRATEGY) $(ARGS)
 
 BENCH_STRATEGIES ?= ddp,fsdp,zero1,zero2,zero3,zero3_offload
 STEPS       ?= 30
 
 bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/results.{json,md,png}
-	$(PY) -m disttrain.bench --recipe $(RECIPE) --strategies $(BENCH_STRATEGIES) --steps $(STEPS) --nproc $(GPUS) $(ARGS)
+	$(PY) -m disttrain.bench.strategies --recipe $(RECIPE) --strategies $(BENCH_STRATEGIES) --steps $(STEPS) --nproc $(GPUS) $(ARGS)
 
 bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same data and batch -> bench/overhead/
-	$(PY) -m disttrain.bench_overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
+	$(PY) -m disttrain.bench.overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
 
 bench-memory: setup ## loss memory, plain (full logits) vs chunked, per strategy, 152k vocabulary -> bench/memory/
-	$(PY) -m disttrain.bench_memory --nproc $(GPUS) $(ARGS)
+	$(PY) -m disttrain.bench.memory --nproc $(GPUS) $(ARGS)
 
 report: setup ## summary table of RUN (one or several output dirs), with their plots and model cards
 	$(PY) -m disttrain.report $(RUN)
 
 bench-data: tiny ## data preparation: ours vs one batched tokenizer pass, memory vs size, DDP time to first step -> bench/data/
-	$(PY) -m disttrain.bench_data $(ARGS)
+	$(PY) -m disttrain.bench.data $(ARGS)
 
 gpu-kit: setup ## the wheels the lent GPU machine lacks -> gpu_kit/ (< 64 MiB), and the command to run there
 	$(PY) scripts/gpu/kit.py --out gpu_kit $(ARGS)
@@ -134,15 +134,15 @@ gpu-acceptance: tiny ## on a GPU machine: check every GPU-only claim -> gpu_acce
 	$(PY) scripts/gpu/acceptance.py --out gpu_acceptance $(ARGS)
 
 doctor: setup ## RECIPE's machine: GPUs, CUDA/NCCL, libraries, disk, /dev/shm, limits, network + all_reduce/all_gather bandwidth
-	$(PY) -m disttrain.doctor --nproc $(GPUS) --nodes $(NODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) \
+	$(PY) -m disttrain.tools.doctor --nproc $(GPUS) --nodes $(NODES) --node-rank $(NODE_RANK) --master-addr $(MASTER_ADDR) \
 		$(if $(filter-out 1,$(NODES)),--master-port $(MASTER_PORT)) --recipe $(RECIPE) $(ARGS)
 
 diagnose: setup ## name the failure in a log file or output dir: make diagnose LOG=path
 	@test -n "$(LOG)" || { echo "error: give LOG=path (a log file, a directory of rank logs, or a run's output dir)" >&2; exit 2; }
-	$(PY) -m disttrain.diagnose $(LOG) $(ARGS)
+	$(PY) -m disttrain.tools.diagnose $(LOG) $(ARGS)
 
 cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --tokens 1e9 --gpu H100 --gpus 8'
-	$(PY) -m disttrain.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)
+	$(PY) -m disttrain.tools.cost $(or $(ARGS),--params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp)
 
 # Two test processes (pytest-xdist): a launch is mostly start-up on one core at a time, so two overlap well on
 # 2 cores; an idle one takes tests queued for the other (worksteal). A run several tests read is made once by

@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain.launcher import free_port, launch_command  # noqa: E402, F401  (free_port: re-exported for the tests)
+from disttrain.runtime.launcher import free_port, launch_command  # noqa: E402, F401  (free_port: re-exported for the tests)
 
 # Offline and quiet: the Hub is unreachable here, and tests must never try it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,7 +83,7 @@ def runs(tmp_path_factory) -> SharedRuns:
 @pytest.fixture(scope="session")
 def tiny_model_dir(runs) -> Path:
     """The tiny model, built once for every test process: the runs they share then name one model path."""
-    from disttrain.tiny import build_model_dir
+    from disttrain.tools.tiny import build_model_dir
 
     return runs.get("tiny-llama", lambda folder: build_model_dir(folder / "tiny-llama"))
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 STEPS, CHECKPOINT_EVERY = 10, 5
 # merged on export too: every strategy's adapter merges into the base (test_launch_ddp reads the DDP one)

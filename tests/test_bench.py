@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import REPO
-from disttrain.bench import main as bench_main
-from disttrain.bench import summarize
-from disttrain.bench_overhead import main as overhead_main
+from disttrain.bench.strategies import main as bench_main
+from disttrain.bench.strategies import summarize
+from disttrain.bench.overhead import main as overhead_main
 
 pytestmark = pytest.mark.launch
 
@@ -59,7 +59,7 @@ def test_bench_overhead_compares_three_runners(tmp_path, tiny_model_dir):
 
 
 def test_overhead_rounds_combine_by_median():
-    from disttrain.bench_overhead import RUNNERS, round_order, round_record, summarise
+    from disttrain.bench.overhead import RUNNERS, round_order, round_record, summarise
 
     assert [round_order(i)[0] for i in range(4)] == ["disttrain", "raw_ddp", "hf_trainer", "disttrain"]
     assert all(sorted(round_order(i)) == sorted(RUNNERS) for i in range(3))
@@ -95,7 +95,7 @@ def test_gpu_figures_script_dry_runs_on_cpu(tmp_path):
 
 def test_bench_memory_measures_plain_chunked_and_floor(tmp_path):
     """`make bench-memory` end to end on one process with a small vocabulary: three launches, one row."""
-    from disttrain.bench_memory import main as memory_main
+    from disttrain.bench.memory import main as memory_main
 
     out = tmp_path / "memory"
     memory_main(["--strategies", "single_gpu", "--vocab", "8192", "--seq", "128", "--steps", "3", "--warmup", "1",
@@ -109,7 +109,7 @@ def test_bench_memory_measures_plain_chunked_and_floor(tmp_path):
 def test_bench_data_measures_ours_floor_memory_and_the_first_step(tmp_path):
     """`make bench-data` end to end on small sizes: every format against its floor, memory at two sizes, and
     the 2-process launch whose data_report says that only rank 0 tokenised."""
-    from disttrain.bench_data import main as data_main
+    from disttrain.bench.data import main as data_main
 
     out = tmp_path / "data"
     data_main(["--alpaca", "400", "--chat", "100", "--text", "0", "--max-seq-len", "256", "--out", str(out)])

@@ -16,7 +16,7 @@ import copy
 
 import pytest
 
-from disttrain.config import DataSection
+from disttrain.recipe.schema import DataSection
 from disttrain.data import IGNORE_INDEX, tokenize_record
 from disttrain.data.templates import assistant_spans, turn_layout
 from disttrain.errors import DataError

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain import checkpoint
-from disttrain.checkpoint import CheckpointError, Checkpointer, RunShape
-from disttrain.loop import TrainState
+from disttrain.training import checkpoint
+from disttrain.training.checkpoint import CheckpointError, Checkpointer, RunShape
+from disttrain.training.loop import TrainState
 
 
 class OneProcess:
@@ -96,8 +96,8 @@ def test_strategy_names_the_zero_stage_and_offload_as_the_config_files_do(config
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    from disttrain import backends
-    from disttrain.launcher import REPO as ROOT
+    from disttrain.runtime import backends
+    from disttrain.runtime.launcher import REPO as ROOT
 
     for key in list(os.environ):
         if key.startswith(("ACCELERATE_", "FSDP_")):

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain import compat
-from disttrain.compat import check, check_trackers
-from disttrain.config import Recipe
+from disttrain.recipe import compat
+from disttrain.recipe.compat import check, check_trackers
+from disttrain.recipe.schema import Recipe
 from disttrain.errors import DisttrainError, RecipeError
 
 
@@ -57,7 +57,7 @@ def test_ddp_8bit_adam_on_gpu_is_allowed():
 def test_quantization_without_lora_is_a_recipe_error(tmp_path):
     import yaml
 
-    from disttrain.config import load_recipe
+    from disttrain.recipe.schema import load_recipe
 
     path = tmp_path / "q.yaml"
     path.write_text(yaml.safe_dump({"model": {"name_or_path": "Qwen/Qwen2.5-7B", "quantization": "4bit"},

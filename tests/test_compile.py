@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_ok, base_recipe, launch, write_recipe
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 
 @pytest.mark.launch

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from conftest import REPO, base_recipe, write_recipe
-from disttrain.config import load_recipe, parse_override
+from disttrain.recipe.schema import load_recipe, parse_override
 from disttrain.errors import RecipeError
 
 

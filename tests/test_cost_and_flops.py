@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from disttrain.cost import ASSUMED_MFU, Workload, main, model_states_gb
-from disttrain.flops import shape_from_config, training_flops_per_token
-from disttrain.hardware import ACCELERATORS, lookup
-from disttrain.preflight import find_config_dir
+from disttrain.tools.cost import ASSUMED_MFU, Workload, main, model_states_gb
+from disttrain.metrics.flops import shape_from_config, training_flops_per_token
+from disttrain.metrics.hardware import ACCELERATORS, lookup
+from disttrain.tools.preflight import find_config_dir
 
 
 def config(name):
@@ -86,7 +86,7 @@ def test_fsdp_no_sync_micro_batches_add_unsharded_gradients_per_gpu(tmp_path):
     gradients (not divided by the GPU count), as tests/test_fsdp_gradients.py measures them held."""
     import yaml
 
-    from disttrain.cost import workload_from_recipe
+    from disttrain.tools.cost import workload_from_recipe
 
     w = Workload(8e9, None, 1e9, 2048, 1, False, fsdp_unsharded_grad_bytes=4.0)
     assert model_states_gb(w, "fsdp", 8)[0] == pytest.approx(16.0 + 32.0)
@@ -132,10 +132,10 @@ def test_recipe_plan_and_measured_mfu(tmp_path, capsys):
 
 def test_chunked_loss_keeps_one_chunk_of_logits_whatever_the_sequence():
     """training.loss_impl=plain holds 10 bytes x tokens x vocab of logits; chunked one fp32 chunk and its
-    gradient (disttrain/loss.py CHUNK_LOGITS), as tests/test_loss_impl.py shows it computing the same loss."""
-    from disttrain.cost import activations_gb
-    from disttrain.flops import ModelShape
-    from disttrain.loss import CHUNK_LOGITS
+    gradient (disttrain/objectives/token_loss.py CHUNK_LOGITS), as tests/test_loss_impl.py shows it computing the same loss."""
+    from disttrain.tools.cost import activations_gb
+    from disttrain.metrics.flops import ModelShape
+    from disttrain.objectives.token_loss import CHUNK_LOGITS
 
     shape = ModelShape(params=7e9, matmul_params=7e9, layers=28, heads=28, head_dim=128, hidden=3584, vocab=152064)
     plain = Workload(7e9, shape, 1e9, 4096, 4, True, loss_impl="plain")
@@ -150,7 +150,7 @@ def test_preference_reference_memory_and_flops(tmp_path):
     FLOPs per token (live each step; precomputed once over the data); LoRA's disabled adapters hold nothing."""
     import yaml
 
-    from disttrain.cost import flops_per_token, reference_flops_per_token, workload_from_recipe
+    from disttrain.tools.cost import flops_per_token, reference_flops_per_token, workload_from_recipe
 
     plain = Workload(7e9, None, 1e9, 2048, 1, False)
     live = Workload(7e9, None, 1e9, 2048, 1, False, reference="model")

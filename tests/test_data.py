@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from disttrain.config import DataSection
+from disttrain.recipe.schema import DataSection
 from disttrain.data import (IGNORE_INDEX, Collator, build_datasets, count_targets, pack_rows, tokenize_record,
                             validate_local_file)
 from disttrain.errors import DataError
@@ -176,7 +176,7 @@ def test_flattened_packed_batch_has_the_same_loss_targets_and_eval_rows(tiny_mod
     from transformers import AutoModelForCausalLM
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
-    from disttrain.loss import _per_row_sums
+    from disttrain.objectives.token_loss import _per_row_sums
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
     _, rows = _two_packed_rows(tokenizer)
@@ -230,7 +230,7 @@ def test_collator_pads_right_and_counts(tokenizer):
 
 
 def test_shipped_data_matches_its_generator(tmp_path):
-    from disttrain.tiny import write_data
+    from disttrain.tools.tiny import write_data
 
     for path in write_data(tmp_path):
         assert path.read_text() == (REPO / "data" / path.name).read_text(), f"regenerate with make data: {path.name}"

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import pytest
 
 from conftest import REPO
-from disttrain.config import DataSection
+from disttrain.recipe.schema import DataSection
 from disttrain.data import IGNORE_INDEX, build_datasets, chunk_documents
 from disttrain.data.packing import DocumentChunker
 from disttrain.errors import RecipeError
@@ -78,7 +78,7 @@ def test_recipe_forms_are_exclusive_and_names_unique():
 
 def test_a_missing_source_file_is_named_by_its_key(tmp_path):
     from conftest import base_recipe, write_recipe
-    from disttrain.config import load_recipe
+    from disttrain.recipe.schema import load_recipe
 
     recipe = base_recipe(tmp_path, tmp_path / "out", data={"path": None, "format": None,
                                                            "sources": [{"path": ALPACA, "format": "alpaca"},

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import tests_support
-from disttrain.config import DataSection
+from disttrain.recipe.schema import DataSection
 from disttrain.data import IGNORE_INDEX, tokenize_record
 from disttrain.errors import DataError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain.diagnose import diagnose, main
+from disttrain.tools.diagnose import diagnose, main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
@@ -69,7 +69,7 @@ def test_unknown_log_exits_1_and_missing_path_exits_2(tmp_path, capsys):
 
 
 def test_every_class_has_a_troubleshooting_section():
-    from disttrain.diagnose import RULES
+    from disttrain.tools.diagnose import RULES
 
     doc = (REPO / "docs" / "troubleshooting.md").read_text()
     for rule in RULES + [type("R", (), {"id": "oom_one_rank"}), type("R", (), {"id": "rank_failed"})]:
@@ -92,18 +92,18 @@ def test_port_taken_on_the_master_node(tmp_path, tiny_model_dir):
         found = diagnose([write_log(tmp_path, proc)])
         assert found[0].id == "port_in_use" and found[0].details["port"] == str(port)
         # our pre-launch check (Makefile) names the owner: this test process
-        check = subprocess.run([sys.executable, "-m", "disttrain.ports", "--port", str(port), "--nodes", "2"],
+        check = subprocess.run([sys.executable, "-m", "disttrain.runtime.ports", "--port", str(port), "--nodes", "2"],
                                cwd=REPO, capture_output=True, text=True)
         assert check.returncode == 2
         assert f"port {port} is already in use, held by pid " in check.stderr and "MASTER_PORT=" in check.stderr
-        single = subprocess.run([sys.executable, "-m", "disttrain.ports", "--port", str(port)], cwd=REPO,
+        single = subprocess.run([sys.executable, "-m", "disttrain.runtime.ports", "--port", str(port)], cwd=REPO,
                                 capture_output=True, text=True)
         assert single.returncode == 0 and "warning:" in single.stderr  # one node: accelerate moves on
         make = subprocess.run(["make", "train-ddp", "NODES=2", "NODE_RANK=0", "GPUS=1", f"MASTER_PORT={port}",
                                f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert make.returncode != 0 and f"rendezvous port {port} is already in use" in make.stderr
         assert "run: strategy" not in make.stdout and not (tmp_path / "out").exists()  # nothing was launched
-    free = subprocess.run([sys.executable, "-m", "disttrain.ports", "--port", str(port), "--nodes", "2"], cwd=REPO,
+    free = subprocess.run([sys.executable, "-m", "disttrain.runtime.ports", "--port", str(port), "--nodes", "2"], cwd=REPO,
                           capture_output=True, text=True)
     assert free.returncode == 0 and free.stderr == ""
 

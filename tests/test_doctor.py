@@ -12,13 +12,13 @@ from collections import namedtuple
 import pytest
 
 from conftest import REPO, free_port
-from disttrain import doctor
+from disttrain.tools import doctor
 
 TINY_RECIPE = str(REPO / "recipes" / "tiny" / "sft.yaml")
 
 
 def run_doctor(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "disttrain.doctor", "--json", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "disttrain.tools.doctor", "--json", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -54,7 +54,7 @@ def test_doctor_across_two_loopback_nodes_gathers_every_ranks_versions():
     port = free_port()
     common = ["--nodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
               "--max-bytes", "65536", "--timeout-s", "120"]
-    node1 = subprocess.Popen([sys.executable, "-m", "disttrain.doctor", "--json", "--node-rank", "1", *common],
+    node1 = subprocess.Popen([sys.executable, "-m", "disttrain.tools.doctor", "--json", "--node-rank", "1", *common],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node0 = run_doctor("--node-rank", "0", *common)
     out1, err1 = node1.communicate(timeout=300)

@@ -4,8 +4,8 @@ and the merged LoRA export reloading the base model as the recipe loaded it."""
 import pytest
 import torch
 
-from disttrain.config import LoraSection, ModelSection
-from disttrain.flops import numel, shape_from_model, training_flops_per_token
+from disttrain.recipe.schema import LoraSection, ModelSection
+from disttrain.metrics.flops import numel, shape_from_model, training_flops_per_token
 
 
 def _quantized(weight: torch.Tensor, storage: torch.dtype):
@@ -34,7 +34,7 @@ def test_quantizing_a_linear_keeps_params_and_flops(storage):
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from disttrain.modeling import count_parameters
+    from disttrain.model.loading import count_parameters
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -73,7 +73,8 @@ def test_merged_export_reloads_the_base_as_the_recipe_did(tiny_model_dir, tokeni
     import transformers
     from safetensors import safe_open
 
-    from disttrain.modeling import export, load_model
+    from disttrain.model.export import export_model
+    from disttrain.model.loading import load_model
 
     train_spec = ModelSection(name_or_path=str(tiny_model_dir), dtype="float32")
     model = load_model(train_spec, LoraSection(r=4, dropout=0.0))
@@ -86,7 +87,7 @@ def test_merged_export_reloads_the_base_as_the_recipe_did(tiny_model_dir, tokeni
         return real(cls, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(recording))
-    out = export(_OneProcess(), model, tokenizer, tmp_path / "final", merge_lora=True, spec=recipe_spec)
+    out = export_model(_OneProcess(), model, tokenizer, tmp_path / "final", merge_lora=True, spec=recipe_spec)
     assert len(calls) == 1
     assert calls[0] == {"revision": "main", "trust_remote_code": False, "dtype": torch.bfloat16,
                         "use_safetensors": True}

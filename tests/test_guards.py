@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
-from disttrain.diagnose import diagnose
+from disttrain.tools.diagnose import diagnose
 
 
 @pytest.mark.launch
@@ -108,7 +108,7 @@ def test_correctly_seeded_lora_ranks_agree(tmp_path, tiny_model_dir):
 def test_only_distributed_errors_are_explained_as_collective_failures():
     import torch
 
-    from disttrain import guards
+    from disttrain.runtime import guards
 
     guards.at("all_reduce of the step's target-token count", 12)
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv "
@@ -132,7 +132,7 @@ def test_only_distributed_errors_are_explained_as_collective_failures():
 
 
 def test_torchrun_restarts_on_the_shared_store_are_warned_and_their_connect_failure_named(monkeypatch, capsys):
-    from disttrain import guards
+    from disttrain.runtime import guards
 
     mesh = RuntimeError("Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:152] timed out "
                         "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:8617")
@@ -152,7 +152,7 @@ def test_torchrun_restarts_on_the_shared_store_are_warned_and_their_connect_fail
 
 
 def test_loss_spread_warning_names_ranks_and_repeats_rarely():
-    from disttrain.guards import LossSpreadWarning
+    from disttrain.runtime.guards import LossSpreadWarning
 
     said = []
     warn = LossSpreadWarning(0.5, quiet_steps=100)
@@ -166,7 +166,7 @@ def test_loss_spread_warning_names_ranks_and_repeats_rarely():
 
 
 def test_recipe_changes_ignore_what_may_change_on_resume():
-    from disttrain.outputs import recipe_changes
+    from disttrain.report.run_files import recipe_changes
 
     saved = {"training": {"lr": 0.01, "stop_at_step": 30}, "output": {"dir": "a"}, "data": {"path": "x"}}
     current = {"training": {"lr": 0.1, "stop_at_step": None}, "output": {"dir": "b"}, "data": {"path": "x"}}
@@ -176,7 +176,7 @@ def test_recipe_changes_ignore_what_may_change_on_resume():
 def test_checksum_sees_a_tiny_change_and_skips_meta_weights():
     import torch
 
-    from disttrain.guards import holds_full_weights, parameter_checksum
+    from disttrain.runtime.guards import holds_full_weights, parameter_checksum
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     before = parameter_checksum(model, torch.device("cpu"))

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain import hub
-from disttrain.compat import check_trackers
-from disttrain.config import LoraSection, load_recipe
+from disttrain.model import hub
+from disttrain.recipe.compat import check_trackers
+from disttrain.recipe.schema import LoraSection, load_recipe
 from disttrain.errors import DisttrainError, RecipeError
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 
 def tiny(tiny_model_dir):
@@ -23,7 +23,7 @@ def tiny(tiny_model_dir):
 
 
 def test_lora_variants_reach_peft(tiny_model_dir):
-    from disttrain.modeling import apply_lora
+    from disttrain.model.loading import apply_lora
 
     model = apply_lora(tiny(tiny_model_dir), LoraSection(r=4, alpha=8, target_modules=["q_proj", "down_proj"],
                                                          use_dora=True, use_rslora=True,

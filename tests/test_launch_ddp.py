@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 from strategy_runs import strategy_run
 
 pytestmark = pytest.mark.launch
@@ -61,7 +61,7 @@ def test_ddp_trains_logs_and_exports_a_loadable_model(tmp_path, tiny_model_dir):
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
     assert [r["step"] for r in evals] == [6, 12]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, "loss did not fall"
-    from disttrain.flops import shape_from_config
+    from disttrain.metrics.flops import shape_from_config
     from transformers import AutoConfig
     dense = 6 * shape_from_config(AutoConfig.from_pretrained(tiny_model_dir)).matmul_params
     for r in train:

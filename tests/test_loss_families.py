@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from disttrain import loss as loss_module
+from disttrain.objectives import token_loss as loss_module
 from disttrain.data import Collator, count_targets, pack_rows
 from disttrain.errors import DisttrainError
-from disttrain.loss import TokenLoss
+from disttrain.objectives.token_loss import TokenLoss
 from tests_support import assert_same_loss_and_grads, loss_and_grads
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -129,7 +129,7 @@ def test_low_precision_weight_gradients_neither_overflow_nor_carry_a_rounded_sca
     """fp16 weights: the weight's gradient is a sum over every target token until the backward scales it; a
     frequent target over a long batch (70,000 tokens here) passed fp16's 65,504 and became inf. bf16: the
     scale factor (1/3 here) was rounded to bf16 before multiplying, biasing every gradient by 0.2 %."""
-    from disttrain.loss import _ChunkedCrossEntropySum
+    from disttrain.objectives.token_loss import _ChunkedCrossEntropySum
 
     torch.manual_seed(0)
     for dtype, tokens, factor in ((torch.float16, 70_000, 1 / 70_000), (torch.bfloat16, 600, 1 / 3)):

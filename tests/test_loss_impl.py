@@ -9,11 +9,11 @@ import torch
 
 import tests_support
 
-from disttrain import loss as loss_module
-from disttrain.config import LoraSection, ModelSection
+from disttrain.objectives import token_loss as loss_module
+from disttrain.recipe.schema import LoraSection, ModelSection
 from disttrain.data import Collator, count_targets, pack_rows
-from disttrain.loss import TokenLoss
-from disttrain.modeling import load_model
+from disttrain.objectives.token_loss import TokenLoss
+from disttrain.model.loading import load_model
 
 
 @pytest.fixture(autouse=True)

@@ -5,10 +5,13 @@ import pytest
 import torch
 
 from conftest import base_recipe, write_recipe
-from disttrain import data, loop, modeling
-from disttrain.config import load_recipe
-from disttrain.loss import TokenLoss
-from disttrain.metrics import MetricsLogger
+from disttrain import data
+from disttrain.data.feed import steps_per_epoch
+from disttrain.training import loop
+from disttrain.model import loading as modeling
+from disttrain.recipe.schema import load_recipe
+from disttrain.objectives.token_loss import TokenLoss
+from disttrain.metrics.log import MetricsLogger
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +26,7 @@ def fresh_accelerate_state():
 def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run", **training):
     from accelerate.utils import set_seed
 
-    from disttrain.backends import build_accelerator
+    from disttrain.runtime.backends import build_accelerator
 
     recipe = load_recipe(write_recipe(tmp_path / f"{name}.yaml", base_recipe(
         model_dir, tmp_path / name, data={"shuffle": False},
@@ -41,7 +44,7 @@ def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run", 
     (tmp_path / name).mkdir(exist_ok=True)
     records = []
     metrics = MetricsLogger(accelerator, tmp_path / name, steps)
-    per_epoch = loop.steps_per_epoch(len(train_set), micro_batch_size, 1, grad_accum)
+    per_epoch = steps_per_epoch(len(train_set), micro_batch_size, 1, grad_accum)
     loop.train(accelerator, model, optimizer, scheduler, loader, None, recipe.training,
                lambda rec, step: records.append(rec), loop.TrainState(), steps, per_epoch, log_every=1,
                token_loss=token_loss)
@@ -70,7 +73,7 @@ def test_the_test_would_catch_a_mean_of_means(tiny_model_dir, tokenizer):
     """Negative control: on this data, averaging per-micro-batch means gives a clearly different gradient."""
     from transformers import AutoModelForCausalLM
 
-    from disttrain.config import DataSection
+    from disttrain.recipe.schema import DataSection
     from tests_support import alpaca_rows
 
     section = DataSection(path="x.jsonl", format="alpaca", max_seq_len=64)

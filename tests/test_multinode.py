@@ -11,8 +11,8 @@ import pytest
 
 from conftest import REPO, base_recipe, free_port, write_recipe
 from strategy_runs import matrix_recipe, small_data, strategy_run
-from disttrain.diagnose import diagnose
-from disttrain.metrics import read_metrics
+from disttrain.tools.diagnose import diagnose
+from disttrain.metrics.log import read_metrics
 
 pytestmark = pytest.mark.launch
 

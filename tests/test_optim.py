@@ -4,8 +4,8 @@ transformers.optimization, which pulls in peft at every rank's start-up), includ
 import pytest
 import torch
 
-from disttrain.config import TrainingSection
-from disttrain.optim import SCHEDULES, build_scheduler
+from disttrain.recipe.schema import TrainingSection
+from disttrain.training.optim import SCHEDULES, build_scheduler
 
 
 def lrs(scheduler, optimizer, steps):

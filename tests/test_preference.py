@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO
-from disttrain.config import DataSection, PreferenceSection, load_recipe
+from disttrain.recipe.schema import DataSection, PreferenceSection, load_recipe
 from disttrain.data import IGNORE_INDEX, PAIR_INDEX, PairCollator, build_datasets
 from disttrain.data.preference import truncate_pair
 from disttrain.errors import DataError, RecipeError
-from disttrain.preference import PreferenceLoss, log1mexp, pair_losses
+from disttrain.objectives.preference import PreferenceLoss, log1mexp, pair_losses
 
 torch.manual_seed(0)
 N = 6
@@ -292,7 +292,7 @@ def test_saved_reference_log_probs_belong_to_their_model_and_data(tmp_path, tiny
     from safetensors.torch import save_file
 
     from disttrain.errors import DisttrainError
-    from disttrain.preference import read_reference, reference_key
+    from disttrain.objectives.preference import read_reference, reference_key
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -320,7 +320,7 @@ def test_a_live_reference_under_zero1_2_runs_in_the_policys_precision(precision,
     the two differed at step 0."""
     from accelerate.utils import DistributedType
 
-    from disttrain.preference import live_reference
+    from disttrain.objectives.preference import live_reference
 
     recipe = load_recipe(REPO / "recipes/tiny/dpo.yaml", [f"model.name_or_path={tiny_model_dir}",
                                                           f"training.mixed_precision={precision}"])

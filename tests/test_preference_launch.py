@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 pytestmark = pytest.mark.launch
 

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import REPO
 from disttrain.errors import DisttrainError
-from disttrain.preflight import find_config_dir, run, shrink_config
+from disttrain.tools.preflight import find_config_dir, run, shrink_config
 
 pytestmark = pytest.mark.launch
 

@@ -10,9 +10,9 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, assert_ok, base_recipe, free_port, write_recipe
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 from disttrain.report import summary_row, summary_table, write_report
-from disttrain.samples import sample_prompts
+from disttrain.training.samples import sample_prompts
 
 
 def fake_run(run, lora=False, final=True):

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from conftest import (REPO, assert_ok, free_port, kill_launch, launch, rank_processes, start_launch)
-from disttrain.diagnose import diagnose
-from disttrain.metrics import read_metrics
+from disttrain.tools.diagnose import diagnose
+from disttrain.metrics.log import read_metrics
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, losses, matrix_recipe, small_data,
                            strategy_run)
 

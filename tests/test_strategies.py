@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_ok, launch
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 from strategy_runs import (CHECKPOINT_EVERY, LORA, STEPS, STRATEGIES, assert_same_run, final_weights, matrix_recipe, small_data,
                            strategy_run)
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
-from disttrain import checkpoint
-from disttrain.config import DataSection, load_recipe
+from disttrain.training import checkpoint
+from disttrain.recipe.schema import DataSection, load_recipe
 from disttrain.data import Collator, StreamLoader, streaming, stream_rows
 from disttrain.errors import DataError, RecipeError
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 FILES = 4
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from disttrain.data import Collator, count_targets
-from disttrain.flops import ModelShape
-from disttrain.throughput import FlopsMeter, measured_peak, mfu_band, table_peak
+from disttrain.metrics.flops import ModelShape
+from disttrain.metrics.throughput import FlopsMeter, measured_peak, mfu_band, table_peak
 
 
 @pytest.mark.parametrize("name, tflops", [
@@ -34,7 +34,7 @@ def test_unknown_devices_get_a_measured_peak():
 
 def test_measured_peak_is_the_best_size(monkeypatch):
     """Max over sizes of the best repeat, warm-up excluded: small matmuls and first calls understate a peak."""
-    import disttrain.throughput as throughput
+    import disttrain.metrics.throughput as throughput
 
     clock = iter([0.0, 1.0,  # n=2: warm-up, 1 s (ignored)
                   0.0, 0.5, 0.0, 0.25,  # n=2: 0.5 s, 0.25 s -> 16 / 0.25 = 64 FLOP/s
@@ -74,7 +74,7 @@ class _OneProcess:
 @pytest.mark.parametrize("peak, suspect", [(1.0, True), (1e30, False)])
 def test_mfu_over_100_percent_is_flagged(peak, suspect):
     """MFU above 1 is a wrong peak (or FLOP count), not a fast run: the log line says so."""
-    from disttrain.loop import _Window
+    from disttrain.training.loop import _Window
 
     shape = ModelShape(params=1000, matmul_params=800, layers=2, heads=4, head_dim=8, hidden=32, vocab=50)
     window = _Window(torch.device("cpu"), FlopsMeter(shape, None), peak_flops=peak)
@@ -90,7 +90,7 @@ def test_time_spent_apart_from_training_is_not_in_throughput():
     """Evaluation and checkpoint time (timed_apart) is left out of step time, tokens/s and MFU."""
     import time
 
-    from disttrain.loop import _Window
+    from disttrain.training.loop import _Window
 
     window = _Window(torch.device("cpu"))
     batch = Collator(0)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])

@@ -29,7 +29,7 @@ def target_runs(tokenizer, ids, labels) -> list[str]:
 def loss_and_grads(model, impl, batch):
     """(loss, gradients by name, evaluation's per-token losses, the TokenLoss) of one micro-batch."""
     from disttrain.data import count_targets
-    from disttrain.loss import TokenLoss
+    from disttrain.objectives.token_loss import TokenLoss
 
     token_loss = TokenLoss(model, impl)
     model.zero_grad()

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from disttrain.config import SourceSection
+from disttrain.recipe.schema import SourceSection
 from disttrain.errors import DataError
 
 # ShareGPT `from` values (LLaMA-Factory's and the common Hub spellings) -> roles

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
-from disttrain.config import DataSection, SourceSection, looks_local
+from disttrain.recipe.schema import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import DocumentChunker, pack_rows

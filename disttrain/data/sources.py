@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from disttrain.config import SourceSection, looks_local
+from disttrain.recipe.schema import SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.errors import DataError
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.config import DataSection, SourceSection, looks_local
+from disttrain.recipe.schema import DataSection, SourceSection, looks_local
 from disttrain.data.mixing import mix
 from disttrain.data.packing import chunk_documents, pack_rows
 from disttrain.data.pipeline import EXAMPLE_COLUMNS, MAP_BATCH, tokenize_batch

@@ -1,5 +1,6 @@
-"""What a finished run hands the user, and `make report` for any run (finished or in progress):
+"""What a run leaves in its output dir, and `make report` for any run (finished or in progress):
 
+    run_files.py  the output dir, recipe.yaml (and what changed on resume), data_report.json, run.json
     card.py    final/README.md: a model card in the Hub's format (YAML header, recipe, data, hardware, results,
                how to load it)
     plots.py   plots/*.png: loss, learning rate, grad norm, tokens/s, MFU against step, resumes marked

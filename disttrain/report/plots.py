@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 PLOTS_DIR = "plots"
 # (file, title, [(metric, label)]); a panel is drawn when the run logged any of its metrics

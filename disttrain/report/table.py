@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from disttrain.metrics import read_metrics
+from disttrain.metrics.log import read_metrics
 
 
 def _read_json(path: Path) -> dict:

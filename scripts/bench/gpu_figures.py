@@ -1,7 +1,7 @@
 """The GPU table of docs/benchmarks.md in one run: a ~0.84B Llama-shape full fine-tune (hidden 2048, 16
 layers, GQA 32/4 heads, vocab 32000), bf16 autocast over fp32 master weights, packed sequences of 2048,
 with and without torch.compile and gradient checkpointing, on one GPU, FSDP2 (1 process) and ZeRO-2
-(1 process). Each configuration is a real `accelerate launch` of train.py through disttrain.bench; one that
+(1 process). Each configuration is a real `accelerate launch` of train.py through disttrain.bench.strategies; one that
 fails is recorded as failed (its log kept) and the others still run.
 
     python3 scripts/bench/gpu_figures.py --out $OUT     # on the GPU machine (estimated 6-8 minutes; not yet run there)
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import yaml  # noqa: E402
 
-from disttrain.bench import run_strategy, summarize  # noqa: E402
+from disttrain.bench.strategies import run_strategy, summarize  # noqa: E402
 from disttrain.errors import DisttrainError  # noqa: E402
-from disttrain.throughput import mfu_band  # noqa: E402
-from disttrain.tiny import WORDS, build_tokenizer, tiny_llama_config  # noqa: E402
+from disttrain.metrics.throughput import mfu_band  # noqa: E402
+from disttrain.tools.tiny import WORDS, build_tokenizer, tiny_llama_config  # noqa: E402
 
 SHAPES = {
     "0.84b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,

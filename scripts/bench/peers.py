@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from disttrain import data, modeling  # noqa: E402
-from disttrain.config import load_recipe  # noqa: E402
+from disttrain import data  # noqa: E402
+from disttrain.model import loading as modeling
+from disttrain.recipe.schema import load_recipe  # noqa: E402
 
 
 def setup(args):

@@ -15,7 +15,7 @@ installs the wheels of `make gpu-kit` (kit.py) on the GPU machine.
 
 Items (--items a,b,c picks some; default all, started in the order below):
 
-    doctor_nccl               `python -m disttrain.doctor --nproc 1 --json` exits 0; NCCL / GPU lines recorded
+    doctor_nccl               `python -m disttrain.tools.doctor --nproc 1 --json` exits 0; NCCL / GPU lines recorded
     full_bf16_{single,fsdp,zero2,zero3}
                               bf16 full fine-tune, world size 1: an uninterrupted run of N steps, and a new
                               launch resumed from its step-N/2 checkpoint (it must say so): per-step losses
@@ -33,7 +33,7 @@ Items (--items a,b,c picks some; default all, started in the order below):
     mfu                       scripts/bench/gpu_figures.py --configs single,fsdp (0.84B model): its table copied
     offload_activations       training.offload_activations: the same losses as without (rel 1e-3), peak memory
                               and step time of both recorded
-    loss_memory               disttrain.bench_memory (single, fsdp; vocab 152k, seq 4096): the loss's share of
+    loss_memory               disttrain.bench.memory (single, fsdp; vocab 152k, seq 4096): the loss's share of
                               peak memory, full logits vs chunked; PASS when chunked cuts it >= 8x
 
 A failed item is recorded with the tail of its log and the others still run. When an item's time is up
@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# Only modules whose imports the bare GPU image has (stdlib, tqdm): disttrain.config needs pydantic, which
+# Only modules whose imports the bare GPU image has (stdlib, tqdm): disttrain.recipe.schema needs pydantic, which
 # may arrive with --wheels. Everything else is imported inside the functions that use it.
 from harness import FAIL, INFO, MAX_LOG_TAIL, PASS, REPO, SKIP, Ctx, Fail, Settings, Skip  # noqa: E402
 from items.adapters import adapter  # noqa: E402

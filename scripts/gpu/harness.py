@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from disttrain.launcher import kill_tree, launch_command  # noqa: E402
-from disttrain.metrics import read_metrics  # noqa: E402
+from disttrain.runtime.launcher import kill_tree, launch_command  # noqa: E402
+from disttrain.metrics.log import read_metrics  # noqa: E402
 
 PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}

@@ -4,7 +4,9 @@ gradients are reduced in. Same recipe -> accelerator -> model -> prepare path as
 
 from probe_run import finish, start
 
-from disttrain import data, modeling, optim
+from disttrain import data
+from disttrain.model import loading as modeling
+from disttrain.training import optim
 
 
 def held_gradients(model) -> dict:

@@ -9,9 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from disttrain import data, modeling  # noqa: E402
-from disttrain.backends import build_accelerator  # noqa: E402
-from disttrain.config import load_recipe  # noqa: E402
+from disttrain import data  # noqa: E402
+from disttrain.model import loading as modeling
+from disttrain.runtime.backends import build_accelerator  # noqa: E402
+from disttrain.recipe.schema import load_recipe  # noqa: E402
 
 
 def start():

@@ -10,7 +10,7 @@ def dpo(ctx: Ctx) -> tuple[str, str]:
     disabled per micro-batch), full fine-tuning (the precomputed pass), and a live frozen copy beside a ZeRO-2
     policy (the same precision: no reward before any update); finite losses, the reward metrics logged, the
     chunked preference gradient in bf16 autocast."""
-    from disttrain.launcher import REPO
+    from disttrain.runtime.launcher import REPO
 
     data = {"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference", "packing": False,
             "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": min(ctx.s.seq, 128)}

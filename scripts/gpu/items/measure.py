@@ -19,7 +19,7 @@ def doctor_nccl(ctx: Ctx) -> tuple[str, str]:
     path = ctx.item_dir / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe(ctx, ctx.item_dir / "run"), sort_keys=False))
     timeout = max(30, int(ctx.remaining()) - 20)
-    cmd = [sys.executable, "-m", "disttrain.doctor", "--nproc", "1", "--recipe", str(path), "--json",
+    cmd = [sys.executable, "-m", "disttrain.tools.doctor", "--nproc", "1", "--recipe", str(path), "--json",
            "--timeout-s", str(timeout), "--max-bytes", str(64 << 20 if ctx.s.device == "cuda" else 1 << 20)]
     proc, log = run_cmd(ctx, "doctor", cmd)
     try:  # stdout and stderr share the log: the report is the JSON object that starts on a line "{"
@@ -100,10 +100,10 @@ def mfu(ctx: Ctx) -> tuple[str, str]:
 
 
 def loss_memory(ctx: Ctx) -> tuple[str, str]:
-    """disttrain.bench_memory on one GPU (single and FSDP2, vocab 152k, seq 4096): the loss's share of peak
+    """disttrain.bench.memory on one GPU (single and FSDP2, vocab 152k, seq 4096): the loss's share of peak
     memory with full logits vs chunked; PASS when chunked cuts it at least 8x."""
     out = ctx.item_dir / "bench_memory"
-    cmd = [sys.executable, "-m", "disttrain.bench_memory", "--strategies", "single_gpu,fsdp", "--nproc", "1",
+    cmd = [sys.executable, "-m", "disttrain.bench.memory", "--strategies", "single_gpu,fsdp", "--nproc", "1",
            "--seq", "4096", "--steps", "4", "--warmup", "2", "--out", str(out),
            "--timeout", str(max(30, int(ctx.remaining() / 6)))]
     proc, log = run_cmd(ctx, "bench_memory", cmd)

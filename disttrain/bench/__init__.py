@@ -1,0 +1,7 @@
+"""Benchmarks (`make bench*`), results in files; speed targets live here, never in unit tests.
+
+    strategies.py  `make bench`: the recipe under each strategy: tokens/s, MFU, memory, step time
+    overhead.py    `make bench-overhead`: train.py vs a raw PyTorch DDP loop vs transformers' Trainer
+    memory.py      `make bench-memory`: the loss's share of peak memory, full logits vs chunked
+    data.py        `make bench-data`: data preparation vs the tokenizer's floor, memory, time to first step
+"""

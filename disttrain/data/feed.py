@@ -1,0 +1,80 @@
+"""The data feed: how training batches reach the loop. A feed owns its loader, its step count and its resume
+state, so that train.py and the loop never ask which kind it is.
+
+    MapFeed     the tokenised dataset (cached by `datasets`): accelerate shards its batches across the data
+                ranks, reshuffled every epoch from the seed; on resume its position follows from the step
+    StreamFeed  data.streaming: each data rank reads and tokenises its own shards lazily; its position is
+                saved per rank in every checkpoint and loaded back, never replayed
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from disttrain.data.collation import make_loader
+from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
+from disttrain.errors import DataError
+
+
+def steps_per_epoch(num_rows: int, micro_batch_size: int, num_processes: int, grad_accum: int) -> int:
+    """Optimizer steps per epoch: accelerate shards full batches across ranks (drop_last), and a trailing
+    window shorter than grad_accum is dropped so every step sees the same number of micro-batches."""
+    return (num_rows // micro_batch_size) // num_processes // grad_accum
+
+
+class MapFeed:
+    rank_state = None  # nothing per rank to save: the position follows from the step
+
+    def __init__(self, recipe, train_set, data_ranks: int):
+        cfg = recipe.training
+        self.recipe, self.train_set, self.loader = recipe, train_set, None
+        self.per_epoch = steps_per_epoch(len(train_set), cfg.micro_batch_size, data_ranks, cfg.grad_accum)
+        if self.per_epoch == 0:
+            raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one "
+                            f"optimizer step of micro_batch_size x grad_accum x processes = "
+                            f"{cfg.micro_batch_size * cfg.grad_accum * data_ranks} rows")
+        self.total_steps = cfg.max_steps or self.per_epoch * cfg.epochs
+        self.notes: list[str] = []
+
+    def prepare(self, accelerator, collator, model, optimizer, scheduler):
+        """accelerator.prepare the model, optimizer and schedule together with this feed's loader."""
+        cfg = self.recipe.training
+        loader = make_loader(self.train_set, cfg.micro_batch_size, collator, self.recipe.data.shuffle, True, cfg.seed)
+        model, optimizer, self.loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        assert len(self.loader) // cfg.grad_accum == self.per_epoch, "steps_per_epoch disagrees with accelerate"
+        return model, optimizer, scheduler
+
+    def restore(self, read_rank_state: Callable[[], dict]) -> None:
+        """Nothing to read: the loop skips the consumed micro-batches of the epoch's permutation."""
+
+
+class StreamFeed:
+    def __init__(self, recipe, tokenizer, data_rank: int, data_ranks: int):
+        self.recipe, self.tokenizer, self.loader = recipe, tokenizer, None
+        self.data_rank, self.data_ranks = data_rank, data_ranks
+        self.per_epoch = self.total_steps = recipe.training.max_steps  # a stream has no length to count
+        self.notes = shards_note(recipe.data, data_ranks)
+
+    def prepare(self, accelerator, collator, model, optimizer, scheduler):
+        """This rank's shards, on its device; the loader is not handed to accelerate (it would split it again)."""
+        from disttrain.runtime.backends import set_deepspeed_micro_batch
+
+        cfg = self.recipe.training
+        rows = stream_rows(self.recipe.data, self.tokenizer, cfg.seed, self.data_rank, self.data_ranks)
+        self.loader = StreamLoader(rows, cfg.micro_batch_size, collator, accelerator.device)
+        set_deepspeed_micro_batch(accelerator, cfg.micro_batch_size)
+        return accelerator.prepare(model, optimizer, scheduler)
+
+    @property
+    def rank_state(self) -> Callable[[], dict]:
+        return self.loader.state_dict
+
+    def restore(self, read_rank_state: Callable[[], dict]) -> None:
+        """Continue where this rank's stream stopped, without replaying it."""
+        self.loader.load_state_dict(read_rank_state())
+
+
+def feed_for(recipe, train_set, tokenizer, plan, accelerator) -> MapFeed | StreamFeed:
+    if recipe.data.streaming:
+        return StreamFeed(recipe, tokenizer, plan.data_rank(accelerator), plan.data_ranks(accelerator))
+    return MapFeed(recipe, train_set, plan.data_ranks(accelerator))

@@ -1,0 +1,72 @@
+"""HF model dir out: the trained weights (gathered from every strategy's shards) as a standard
+`from_pretrained` directory, or the LoRA adapter (optionally merged into its base as well)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from disttrain.model.loading import DTYPES, is_peft_model
+from disttrain.recipe.schema import ModelSection
+
+
+def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSection, merge_lora: bool = False) -> Path:
+    """Write a standard HF dir (safetensors + config + tokenizer) that from_pretrained loads.
+    `spec` (the recipe's model section) is how the base model is reloaded for `merge_lora`.
+
+    Every rank takes part in gathering the weights (FSDP/ZeRO-3 shards are collected to the main process
+    only); only the main process writes, into a temporary dir renamed into place, so a crash never leaves
+    a half-written model where a user would load it.
+    """
+    out = Path(out_dir)
+    state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if merge_lora and is_peft_model(unwrapped):
+            with _without_zero3_init(accelerator):
+                _save_merged(tmp, unwrapped, spec)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+@contextmanager
+def _without_zero3_init(accelerator):
+    """While a ZeRO-3 config is registered, transformers builds every model inside DeepSpeed's zero.Init, whose
+    partitioning is a collective: the merged copy, built on the main process alone, would wait there for
+    ranks that never join (the export hung under ZeRO-3). Unregistered meanwhile, restored after."""
+    state = getattr(accelerator, "state", None)
+    registered = getattr(getattr(state, "deepspeed_plugin", None), "dschf", None)
+    if registered is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
+
+
+def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection) -> None:
+    """Merge the adapter into a CPU copy of the base model and save it under adapter_dir/merged.
+    The base is reloaded as the recipe loaded it (revision, remote code, dtype): another revision or dtype
+    would merge the adapter into other weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
+                                                trust_remote_code=spec.trust_remote_code,
+                                                use_safetensors=True)  # never unpickle
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(adapter_dir / "merged", safe_serialization=True)

@@ -1,0 +1,91 @@
+"""Model and tokenizer in: dtype, attention, gradient checkpointing, quantization, LoRA (peft)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from disttrain.recipe.schema import LoraSection, ModelSection
+from disttrain.errors import DisttrainError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def load_tokenizer(spec: ModelSection):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_name_or_path or spec.name_or_path,
+                                              revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding positions never reach the loss (labels = -100), so reusing EOS is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise DisttrainError(f"tokenizer of {spec.name_or_path!r} has no eos_token; set one in its "
+                             "tokenizer_config.json (the model must learn where answers end)")
+    return tokenizer
+
+
+def _quantization_kwargs(spec: ModelSection, sharded: bool, local_device: int | None) -> dict:
+    """QLoRA: NF4 base weights stored in the compute dtype, so FSDP / ZeRO-3 can flatten and shard them
+    next to the LoRA weights (bnb_4bit_quant_storage); replicated strategies load onto their own GPU."""
+    if spec.quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    dtype = DTYPES[spec.dtype] if spec.dtype != "auto" else torch.bfloat16
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    kwargs = {"quantization_config": config}
+    if not sharded and local_device is not None:
+        kwargs["device_map"] = {"": local_device}
+    return kwargs
+
+
+def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None):
+    """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
+        attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
+        use_safetensors=True,  # never unpickle weights
+        **_quantization_kwargs(spec, sharded, local_device))
+    model.config.use_cache = False  # the KV cache is useless in training and costs memory
+    if spec.gradient_checkpointing:
+        # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        model = apply_lora(model, lora, spec.gradient_checkpointing)
+    return model
+
+
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, modules_to_save=lora.modules_to_save,
+                        use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
+                        rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type="CAUSAL_LM")
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    from disttrain.metrics.flops import numel
+
+    total = trainable = 0
+    for p in model.parameters():
+        n = numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def is_peft_model(model) -> bool:
+    if "peft" not in sys.modules:  # nothing imported peft, so no model is a PeftModel (and its import is slow)
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)

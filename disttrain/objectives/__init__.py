@@ -1,0 +1,19 @@
+"""Training objectives. Each owns its collator, its loss (with its metrics and eval record) and its
+preparation before the first update, behind one interface (base.py):
+
+    sft.py           supervised fine-tuning
+    dpo.py           preference tuning: DPO, IPO, hinge, SimPO, ORPO
+    token_loss.py    the token loss both use: lm_head -> cross-entropy a chunk at a time, no full logits, the
+                     model family's own transforms and MoE router loss, the start-up self-check
+    preference.py    the pair losses, their chunked gradient, the reference (precomputed / live / adapters off)
+"""
+
+from __future__ import annotations
+
+
+def objective_for(recipe):
+    """The recipe's training.objective as an Objective (base.py)."""
+    from disttrain.objectives.dpo import DPO
+    from disttrain.objectives.sft import SFT
+
+    return {"sft": SFT, "dpo": DPO}[recipe.training.objective](recipe)

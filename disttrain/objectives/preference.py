@@ -1,0 +1,357 @@
+"""training.objective: dpo -- preference tuning on the same loop, strategies and checkpoints as SFT.
+
+The losses (per pair, as TRL computes them; tests/test_preference.py compares each with TRL's code on the
+same log-probs):
+    sigmoid  DPO: -log sigmoid(beta * delta), delta = (chosen - ref chosen) - (rejected - ref rejected) of the
+             summed response log-probs; with label_smoothing e: -(1-e) logsig(beta delta) - e logsig(-beta delta)
+    hinge    relu(1 - beta * delta)
+    ipo      (delta / response tokens - 1 / (2 beta))^2, each side's log-ratio averaged over its tokens
+    simpo    reference-free: -logsig(beta (avg chosen - avg rejected) - gamma), average log-probs per token
+    orpo     reference-free: NLL of the chosen tokens (average per token) - beta * logsig(log odds ratio)
+Rewards (logged): beta x log-ratio (DPO family), beta x average log-prob (SimPO, ORPO).
+
+How the gradient is made without full-vocabulary logits: inside lm_head's forward (as for the SFT chunked
+loss, loss.py), the per-token log-probs of every response of the micro-batch are computed chunk by chunk
+without gradients, summed per sequence, and the pair losses and their derivatives with respect to each
+sequence's log-prob are taken on those few numbers; a second chunked pass then makes the gradients of
+sum_t w_seq(t) * log p_t with those weights, which is the gradient of the loss. So chosen and rejected of a
+pair must sit in one micro-batch (data/preference.py's collator keeps them together), and lm_head is
+projected twice per step (no full logits, no second model forward).
+
+The reference log-probs, per data/preference.py's pair index:
+    adapters     LoRA: the same model with the adapters disabled, one no-grad forward per micro-batch
+    precomputed  full fine-tuning: one pass over the training pairs with the initial weights before the first
+                 step, sharded across ranks like training, saved to <output.dir>/reference_logps.safetensors
+                 and read back on resume (never recomputed from trained weights)
+    none         SimPO / ORPO
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.recipe.schema import PreferenceSection
+from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX
+from disttrain.data.preference import PAIR_INDEX
+from disttrain.errors import DisttrainError
+from disttrain.objectives.token_loss import TokenLoss, chunked_loss_sum, chunked_token_losses
+
+REFERENCE_FILE = "reference_logps.safetensors"
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "logps/chosen", "logps/rejected")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def pair_losses(cfg: PreferenceSection, chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
+                rejected_tokens: torch.Tensor, ref_chosen: torch.Tensor | None = None,
+                ref_rejected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward) per pair from summed response log-probs and token counts."""
+    beta, smooth = cfg.beta, cfg.label_smoothing
+    if cfg.reference_free():
+        avg_chosen, avg_rejected = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
+        if cfg.loss == "simpo":
+            logits = beta * (avg_chosen - avg_rejected) - cfg.simpo_gamma
+            losses = -(1 - smooth) * F.logsigmoid(logits) - smooth * F.logsigmoid(-logits)
+        else:  # orpo
+            log_odds = (avg_chosen - avg_rejected) - (log1mexp(avg_chosen) - log1mexp(avg_rejected))
+            losses = -avg_chosen - beta * F.logsigmoid(log_odds)
+        return losses, beta * avg_chosen.detach(), beta * avg_rejected.detach()
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if cfg.loss == "sigmoid":
+        losses = -(1 - smooth) * F.logsigmoid(beta * delta) - smooth * F.logsigmoid(-beta * delta)
+    elif cfg.loss == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    else:  # ipo: each side's log-ratio averaged over its tokens
+        average = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        losses = (average - 1 / (2 * beta)) ** 2
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def _response_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != IGNORE_INDEX).sum(-1)
+
+
+class PreferenceLoss(TokenLoss):
+    """The loop's objective for training.objective: dpo (see the module docstring). `units` are pairs."""
+
+    unit_name = "pairs"
+
+    def __init__(self, model, cfg: PreferenceSection, reference: str):
+        super().__init__(model, "chunked")
+        self.cfg, self.reference = cfg, reference
+        self.tables: dict[str, torch.Tensor] = {}  # precomputed: per split ("train", eval sets), [pairs, 2]
+        self.split = "train"  # whose precomputed table the next micro-batches use
+        self._ref: tuple[torch.Tensor, torch.Tensor] | None = None  # this micro-batch's, set before the forward
+        self._last: torch.Tensor | None = None  # this micro-batch's [pairs, STATS + count], set by the forward
+        self._window: torch.Tensor | None = None  # their sums since the last log line
+
+    @staticmethod
+    def _inputs(batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)}
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return torch.full((), batch[PAIR_INDEX].numel(), device=batch["input_ids"].device, dtype=torch.long)
+
+    # ---- the loss, inside lm_head's forward ----
+
+    def _losses_from_logps(self, logps: torch.Tensor, labels: torch.Tensor):
+        """(losses, stats [pairs, STATS + 1]) from the per-sequence log-probs of [chosen..., rejected...]."""
+        tokens = _response_tokens(labels)
+        n = logps.shape[0] // 2
+        ref = self._ref if self._ref is not None else (None, None)
+        losses, reward_c, reward_r = pair_losses(self.cfg, logps[:n], logps[n:], tokens[:n], tokens[n:], *ref)
+        stats = torch.stack([reward_c, reward_r, (reward_c > reward_r).float(), logps[:n].detach(),
+                             logps[n:].detach(), torch.ones_like(reward_c)], dim=1)  # STATS, then a pair count
+        return losses, stats
+
+    def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logps = -chunked_token_losses(hidden.detach(), self.head, labels).sum(-1)
+        leaf = logps.detach().requires_grad_()
+        with torch.enable_grad():
+            losses, self._last = self._losses_from_logps(leaf, labels)
+            total = losses.sum()
+        (grad,) = torch.autograd.grad(total, leaf)
+        # d total / d (sequence log-prob) weights each sequence's tokens; log p = -cross-entropy
+        surrogate = chunked_loss_sum(hidden, self.head, labels, row_weights=-grad)
+        return surrogate - surrogate.detach() + total.detach()  # the loss's value, the loss's gradient
+
+    def _sequence_logps(self, model, batch: dict) -> torch.Tensor:
+        """Summed response log-probs per sequence, no gradients (per-token losses from the chunked head)."""
+        with torch.no_grad():
+            return -self._chunked(model, batch)[:, :-1].sum(-1)
+
+    def _reference_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.reference == "none":
+            return None
+        if self.reference == "precomputed":
+            if self.split not in self.tables:
+                raise DisttrainError(f"preference: no precomputed reference log-probs for {self.split!r}")
+            table = self.tables[self.split]
+            if table.device != batch["input_ids"].device:  # moved once, not copied every micro-batch
+                table = self.tables[self.split] = table.to(batch["input_ids"].device)
+            ref = table[batch[PAIR_INDEX]]
+            return ref[:, 0], ref[:, 1]
+        if self.reference == "adapters":
+            from accelerate.utils import extract_model_from_parallel
+
+            peft_model = extract_model_from_parallel(model)
+            was_training = model.training
+            model.eval()  # the reference has no dropout
+            try:
+                with peft_model.disable_adapter():
+                    logps = self._sequence_logps(model, batch)
+            finally:
+                model.train(was_training)
+            n = logps.shape[0] // 2
+            return logps[:n], logps[n:]
+        if self.reference == "model":
+            with torch.no_grad(), self._autocast():
+                logps = -self._reference_scorer._chunked(self._reference_model, batch)[:, :-1].sum(-1)
+            n = logps.shape[0] // 2
+            return logps[:n], logps[n:]
+        raise DisttrainError(f"preference.reference: {self.reference} is unknown")
+
+    def attach_reference(self, model, scorer: TokenLoss, autocast) -> None:
+        """preference.reference: model -- the frozen copy (prepared for the strategy), the TokenLoss that makes
+        its lm_head return per-token losses, and the accelerator's autocast for its forward."""
+        self._reference_model, self._reference_scorer, self._autocast = model, scorer, autocast
+
+    def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
+        self._ref = self._reference_logps(model, batch)
+        out = self._chunked_output(model, batch)
+        stats = self._last.double().sum(0)  # stays on the device until a log line
+        self._window = stats if self._window is None else self._window + stats
+        return self._with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as for SFT
+
+    def window_metrics(self, accelerator) -> dict:
+        """Means over the pairs of all ranks since the last log line (one all-reduce)."""
+        local = self._window if self._window is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
+        total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
+        self._window = None
+        pairs = max(float(total[-1]), 1.0)
+        record = {name: float(value) / pairs for name, value in zip(STATS, total[:-1])}
+        record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
+        return record
+
+    # ---- evaluation ----
+
+    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
+        """Per pair: (loss, 1, reward chosen, reward rejected, correct)."""
+        self.split = split
+        try:
+            self._ref = self._reference_logps(model, batch)
+        finally:
+            self.split = "train"
+        logps = self._sequence_logps(model, batch)
+        losses, stats = self._losses_from_logps(logps, batch["labels"])
+        ones = torch.ones_like(losses)
+        return torch.stack([losses, ones, stats[:, 0], stats[:, 1], stats[:, 2]], dim=1)
+
+    def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        total = sum(sums.values())
+        pairs = max(float(total[1]), 1.0)
+        record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
+                  "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
+        record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
+        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
+                       if name != "eval"})
+        return record
+
+
+# ---- precomputed reference log-probs ----
+
+@torch.no_grad()
+def _score(accelerator, model, objective: PreferenceLoss, loader, pairs: int) -> torch.Tensor:
+    """[pairs, 2] log-probs (chosen, rejected) of every pair of a prepared, unshuffled loader: each rank scores
+    its shard, the rows are gathered on every rank (duplicates from even batches dropped)."""
+    table = torch.full((pairs, 2), float("nan"), dtype=torch.float64)
+    for batch in loader:
+        logps = objective._sequence_logps(model, batch)
+        n = logps.shape[0] // 2
+        rows = torch.cat([batch[PAIR_INDEX].double()[:, None], logps[:n, None].double(), logps[n:, None].double()],
+                         dim=1)
+        rows = accelerator.gather_for_metrics(rows).cpu()
+        table[rows[:, 0].long()] = rows[:, 1:]
+    if torch.isnan(table).any():
+        raise DisttrainError("preference: some pairs got no reference log-probs (the reference pass missed rows)")
+    return table.float()
+
+
+def precompute_reference(accelerator, model, objective: PreferenceLoss, loaders: dict, out_dir: str | Path,
+                         fingerprint: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Reference log-probs of every pair of every split ({name: (prepared unshuffled loader, pairs)}) with the
+    current -- initial -- weights, or the ones this run saved before (a resumed run must not recompute them
+    from trained weights). Saved atomically by the main process to <out_dir>/reference_logps.safetensors."""
+    from safetensors.torch import save_file
+
+    path = Path(out_dir) / REFERENCE_FILE
+    if path.is_file():
+        tables = read_reference(path, {name: pairs for name, (_, pairs) in loaders.items()}, fingerprint)
+        accelerator.print(f"preference: reference log-probs read from {path} (not recomputed)")
+        return tables
+    model.eval()
+    tables = {name: _score(accelerator, model, objective, loader, pairs) for name, (loader, pairs) in loaders.items()}
+    model.train()
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tables, str(tmp), metadata=fingerprint)
+        tmp.replace(path)
+    accelerator.wait_for_everyone()
+    accelerator.print(f"preference: reference log-probs of {sum(t.shape[0] for t in tables.values())} pairs computed "
+                      f"with the initial weights -> {path}")
+    return tables
+
+
+def read_reference(path: Path, sizes: dict[str, int], fingerprint: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Saved reference log-probs, if they belong to this run's data and model (`fingerprint`: reference_key);
+    else one line saying what differs."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        saved, tables = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+    saved_sizes = {name: table.shape[0] for name, table in tables.items()}
+    if saved.get("model") != fingerprint["model"]:
+        raise DisttrainError(f"{path} holds reference log-probs of another model ({saved.get('model', 'not recorded')}"
+                             f"; this run: {fingerprint['model']}): delete it to recompute them with this model, or "
+                             "use a new output.dir")
+    if saved.get("data") != fingerprint["data"] or saved_sizes != sizes:
+        raise DisttrainError(f"{path} holds reference log-probs of other data ({saved_sizes} pairs, fingerprint "
+                             f"{saved.get('data')}; this run: {sizes}, {fingerprint['data']}): delete it to "
+                             "recompute them, or use a new output.dir")
+    return tables
+
+
+def reference_key(recipe, train_set, eval_sets: dict) -> dict[str, str]:
+    """What saved reference log-probs belong to: the prepared splits (their `datasets` fingerprints) and the
+    model that scored them (path, revision, dtype, and for a local directory its weight files' sizes and
+    times: an SFT checkpoint written over the same path is another model)."""
+    spec = recipe.model
+    model = f"{spec.name_or_path}@{spec.revision or 'default'} {spec.dtype}"
+    local = Path(spec.name_or_path)
+    if local.is_dir():
+        weights = sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin"))
+        model += " " + ",".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    return {"data": data_fingerprint(train_set, eval_sets), "model": model}
+
+
+def reference_loaders(accelerator, train_set, eval_sets: dict, eval_loaders: dict, micro_batch_size: int,
+                      collator) -> dict:
+    """{split: (prepared unshuffled loader, pairs)} for precompute_reference: the training pairs in order,
+    and the eval loaders the run already has."""
+    from disttrain.data import make_loader
+
+    train = accelerator.prepare(make_loader(train_set, micro_batch_size, collator, shuffle=False, drop_last=False))
+    return {"train": (train, len(train_set)),
+            **{name: (loader, len(eval_sets[name])) for name, loader in eval_loaders.items()}}
+
+
+def data_fingerprint(train_set, eval_sets: dict) -> str:
+    """The `datasets` fingerprints of the prepared splits: saved reference log-probs belong to these rows."""
+    return ";".join(f"{name}:{ds._fingerprint}" for name, ds in {"train": train_set, **eval_sets}.items())
+
+
+def live_reference(accelerator, recipe, sharded: bool, local_device):
+    """preference.reference: model -- a frozen copy of the initial weights next to the policy, sharded the way
+    the policy is: FSDP2 through accelerate's own fsdp2_prepare_model, ZeRO-3 through a DeepSpeed inference
+    engine (no optimizer), otherwise whole on the device. Returns (model, scorer) for attach_reference."""
+    from accelerate.utils import DistributedType
+
+    from disttrain.model.loading import load_model
+
+    spec = recipe.model.model_copy(update={"gradient_checkpointing": False})  # no backward through it
+    model = load_model(spec, None, sharded=sharded, local_device=local_device)
+    model.requires_grad_(False)
+    scorer = TokenLoss(model, "chunked")  # its lm_head returns per-token losses while labels are set on it
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model = fsdp2_prepare_model(accelerator, model)
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED and \
+            accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        model, *_ = deepspeed.initialize(model=model, config=config)
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # ZeRO-1/2: DeepSpeed runs the policy in bf16/fp16 weights and accelerate does not autocast under
+        # DeepSpeed, so a copy left in its load dtype (fp32) would score in another precision than the policy
+        model = model.to(accelerator.device, dtype=_DEEPSPEED_DTYPES.get(recipe.training.mixed_precision))
+    else:
+        model = model.to(accelerator.device)
+    model.eval()
+    return model, scorer
+
+
+_DEEPSPEED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # training.mixed_precision -> weights
+
+
+def prepare_reference(accelerator, recipe, model, objective: PreferenceLoss, train_set, eval_sets: dict,
+                      eval_loaders: dict, collator) -> None:
+    """The run's reference (recipe.reference_mode()): a frozen copy attached to the objective (`model`), or
+    the precomputed log-probs of every pair (`precomputed`, read back on resume); nothing to do for the
+    adapters-off reference (LoRA) and the reference-free losses."""
+    from disttrain.runtime.backends import has_gpu, shards_weights
+
+    mode = recipe.reference_mode()
+    if mode == "model":
+        local_device = accelerator.local_process_index if has_gpu() else None
+        objective.attach_reference(*live_reference(accelerator, recipe, shards_weights(accelerator), local_device),
+                                   accelerator.autocast)
+    elif mode == "precomputed":
+        loaders = reference_loaders(accelerator, train_set, eval_sets, eval_loaders,
+                                    recipe.training.micro_batch_size, collator)
+        objective.tables = precompute_reference(accelerator, model, objective, loaders, recipe.output.dir,
+                                                reference_key(recipe, train_set, eval_sets))

@@ -1,0 +1,22 @@
+"""Supervised fine-tuning: cross-entropy on the target tokens, normalised by their number over the whole
+optimizer step (token_loss.py: chunked by default, never full logits)."""
+
+from __future__ import annotations
+
+from disttrain.data.collation import Collator, flattens_packed_rows
+from disttrain.objectives.token_loss import TokenLoss
+
+
+class SFT:
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def collator(self, tokenizer) -> Collator:
+        flatten = flattens_packed_rows(self.recipe.model.attn_implementation)
+        return Collator(tokenizer.pad_token_id, flatten_packed=flatten)
+
+    def loss(self, model) -> TokenLoss:
+        return TokenLoss(model, self.recipe.training.loss_impl)
+
+    def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
+        """Nothing: SFT needs no reference."""

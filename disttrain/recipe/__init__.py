@@ -1,0 +1,5 @@
+"""The recipe: what to train, checked before anything starts.
+
+    schema.py    the YAML schema (pydantic), key.path=value overrides, {strategy}/{processes} in output.dir
+    compat.py    what combines with what (strategy x LoRA/QLoRA x optimizer x trackers), one line per refusal
+"""

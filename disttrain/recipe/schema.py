@@ -1,0 +1,443 @@
+"""The recipe: one YAML file that says *what* to train. Config files under accelerate_configs/ say *how*.
+
+`load_recipe(path, overrides)` reads the YAML, applies `key.path=value` overrides from the command line,
+and validates everything with pydantic (unknown keys, wrong types, missing local files) before any
+process group or model exists. Every problem is reported as `<file>: <key>: <what is wrong>`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from disttrain.errors import RecipeError
+
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class _Section(BaseModel):
+    # forbid: a typo such as `trainig.lr` must fail loudly instead of silently using the default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(description="Hub id or local dir passed to from_pretrained")
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    tokenizer_name_or_path: str | None = None
+    quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
+
+
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference"]
+# the record fields each format reads; `columns` maps them to a dataset's own column names
+FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools"),
+                 "sharegpt": ("conversations", "tools", "system"), "text": ("text",)}
+
+
+class _SourceFields(_Section):
+    """What one data source says: where its records are, how to read them, and its evaluation data."""
+
+    split: str = "train"
+    eval_path: str | None = None
+    eval_split: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    system_prompt: str | None = Field(None, description="System message for conversations that have none")
+    columns: dict[str, str] = Field(default_factory=dict, description="format field -> this dataset's column, "
+                                    "e.g. {instruction: prompt, output: response}")
+    roles: dict[str, str] = Field(default_factory=dict, description="sharegpt: extra `from` value -> role "
+                                  "(user, assistant, system, tool, function_call)")
+
+    @model_validator(mode="after")
+    def _check_eval(self):
+        if self.eval_fraction and (self.eval_path or self.eval_split):
+            raise ValueError("set either eval_fraction or eval_path/eval_split, not both")
+        return self
+
+
+class SourceSection(_SourceFields):
+    path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
+    format: DataFormat
+    name: str | None = Field(None, description="Shown in reports and eval metrics; default: the file's stem")
+    weight: float = Field(1.0, gt=0, description="Sampling probability in the mixture (normalised over sources; "
+                          "a small source is oversampled, not cut)")
+
+    def label(self) -> str:
+        return self.name or Path(self.path).stem.replace(".", "_") or self.path
+
+
+class DataSection(_SourceFields):
+    path: str | None = Field(None, description="One source: a local file or a `datasets` hub name")
+    format: DataFormat | None = None
+    sources: list[SourceSection] | None = Field(None, description="Several sources mixed by weight")
+    max_seq_len: int = Field(2048, ge=16)
+    packing: bool = False
+    text_field: str = "text"
+    messages_field: str = "messages"
+    concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
+                                   "max_seq_len rows (continued pretraining) instead of truncating each")
+    chunk_isolate_documents: bool = Field(False, description="with concat_and_chunk: documents in one row do not "
+                                          "attend to each other (position ids restart, as in packing)")
+    num_proc: int | None = Field(None, ge=1, description="Processes for tokenising; default: the CPUs available "
+                                 "(at most 16), one per 20k records")
+    shuffle: bool = True
+    streaming: bool = Field(False, description="Read the training data as a stream (local files or the hub): "
+                            "tokenised and packed on the fly, each rank its own shards, nothing cached; "
+                            "needs training.max_steps")
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.sources is None and not (self.path and self.format):
+            raise ValueError("give path and format (one source) or sources (a mixture)")
+        if self.sources is not None:
+            if self.path or self.format:
+                raise ValueError("give either path/format or sources, not both")
+            if not self.sources:
+                raise ValueError("sources is empty")
+            labels = [s.label() for s in self.sources]
+            if len(set(labels)) != len(labels):
+                raise ValueError(f"source names must differ (got {labels}): set name: for each source")
+        if self.chunk_isolate_documents and not self.concat_and_chunk:
+            raise ValueError("chunk_isolate_documents needs concat_and_chunk: true")
+        if self.concat_and_chunk and any(s.format != "text" for s in self.all_sources()):
+            raise ValueError("concat_and_chunk applies to format: text only")
+        if self.streaming and any(s.eval_fraction for s in self.all_sources()):
+            raise ValueError("eval_fraction cannot split a stream: give eval_path (or eval_split) with streaming")
+        return self
+
+    def all_sources(self) -> list[SourceSection]:
+        """The single-source form as one source, so the pipeline has one path."""
+        if self.sources is not None:
+            return self.sources
+        columns = {"text": self.text_field, "messages": self.messages_field, **self.columns}
+        return [SourceSection(path=self.path, format=self.format, name="train", split=self.split,
+                              eval_path=self.eval_path, eval_split=self.eval_split, eval_fraction=self.eval_fraction,
+                              system_prompt=self.system_prompt, columns=columns, roles=self.roles)]
+
+
+class TrainingSection(_Section):
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per device per forward")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-5, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    warmup_steps: int = Field(0, ge=0, description="Wins over warmup_ratio when > 0")
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    seed: int = 42
+    eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
+    stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
+                                     "the schedule still runs to the full length on resume")
+    loss_impl: Literal["chunked", "plain"] = Field("chunked", description="chunked: the loss from the final hidden "
+                                                   "states a chunk of target tokens at a time, in fp32, never "
+                                                   "holding full-vocabulary logits; plain: transformers' loss "
+                                                   "from the full logits")
+    offload_activations: bool = Field(False, description="keep the activations saved for the backward pass in "
+                                      "(pinned) host memory instead of GPU memory (torch.autograd.graph."
+                                      "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
+    compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
+                          "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
+    neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of scale alpha / "
+                                        "sqrt(seq x hidden) on the input embeddings while training (5 is usual)")
+    objective: Literal["sft", "dpo"] = Field("sft", description="sft: learn the targets; dpo: preference tuning "
+                                             "on {prompt, chosen, rejected} pairs (the preference section)")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no_is_false(cls, value):
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
+
+
+class PreferenceSection(_Section):
+    """training.objective: dpo. Losses as in TRL: sigmoid (DPO), ipo, hinge (with a reference), simpo and orpo
+    (reference-free)."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0, description="DPO/IPO/hinge/SimPO temperature; ORPO: the odds-ratio weight lambda")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid and simpo: the probability that a "
+                                   "pair's preference is flipped (conservative DPO)")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin gamma")
+    reference: Literal["auto", "model", "precomputed", "none"] = Field(
+        "auto", description="auto: LoRA -> the base model with the adapters disabled; full fine-tuning -> "
+        "precomputed; simpo/orpo -> none. model: a frozen copy next to the policy. precomputed: one pass of "
+        "reference log-probs before training, saved in output.dir")
+
+    def reference_free(self) -> bool:
+        return self.loss in ("simpo", "orpo")
+
+
+class LoraSection(_Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    modules_to_save: list[str] | None = None
+    merge_on_export: bool = False
+    use_dora: bool = Field(False, description="DoRA: a learned magnitude per output feature on top of LoRA")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    init_lora_weights: bool | Literal["gaussian"] = Field(True, description="true: B = 0 (the adapter starts as "
+                                                            "a no-op); gaussian; false: random (tests only)")
+    rank_pattern: dict[str, int] = Field(default_factory=dict, description="per-module ranks, e.g. {down_proj: 8}")
+    alpha_pattern: dict[str, int] = Field(default_factory=dict, description="per-module alphas, like rank_pattern")
+
+
+class LoggingSection(_Section):
+    report_to: list[Literal["wandb", "tensorboard", "mlflow", "none"]] = ["none"]
+    every_steps: int = Field(10, ge=1)
+    project: str = "disttrain"
+    run_name: str | None = None
+    samples: int = Field(2, ge=0, description="prompts answered greedily at each evaluation (0: none)")
+    sample_tokens: int = Field(24, ge=1, description="tokens generated per sample")
+
+
+RUN_PLACEHOLDERS = ("strategy", "processes")
+
+
+class OutputSection(_Section):
+    dir: str = Field(description="Where the run writes; {strategy} (the accelerate config's name: single, ddp, "
+                     "fsdp, fsdp_offload, zero1/2/3, zero3_offload) and {processes} are filled in at launch, so "
+                     "runs of the same recipe under other strategies or world sizes get their own directories")
+    save_final_model: bool = True
+    checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
+    checkpoint_at_end: bool = True
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk")
+    report: bool = Field(True, description="At the end, the model card (final/README.md) and plots/ (rank 0, a few "
+                         "seconds); off, `make report RUN=<dir>` writes them later from the run's files")
+    resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
+    push_to_hub: str | None = Field(None, description="a Hub repo id (org/name): the final model and its card are "
+                                    "uploaded at the end (a token is checked before training)")
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, value: str | None) -> str | None:
+        if value is not None and (value.count("/") != 1 or not all(value.split("/"))):
+            raise ValueError(f"{value!r} is not a Hub repo id: give org/name (or user/name)")
+        return value
+
+    @field_validator("dir")
+    @classmethod
+    def _known_placeholders(cls, value: str) -> str:
+        try:
+            value.format(**{name: name for name in RUN_PLACEHOLDERS})
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"{value!r}: only {{strategy}} and {{processes}} can be filled in ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _push_needs_the_model(self):
+        if self.push_to_hub and not self.save_final_model:
+            raise ValueError("output.push_to_hub uploads the final model: it needs output.save_final_model: true")
+        return self
+
+    def for_run(self, strategy: str, processes: int) -> str:
+        """The directory of this launch: the placeholders filled in."""
+        return self.dir.format(strategy=strategy, processes=processes)
+
+
+class DistributedSection(_Section):
+    timeout_s: int = Field(1800, ge=1, description="Process-group timeout: how long a rank waits in a collective "
+                           "for the others (raise it when tokenising a huge dataset on the main process)")
+    check_replicas_every: int | None = Field(200, ge=1, description="Optimizer steps between parameter checksum "
+                                             "comparisons across ranks while weights are replicated (DDP, ZeRO-1/2)")
+    loss_spread_warning: float | None = Field(0.5, gt=0, description="Warn when per-rank losses of a log window "
+                                              "differ by more than this fraction of the mean loss")
+    fsdp_sync_each_micro_batch: bool = Field(True, description="FSDP: reduce-scatter gradients after every "
+                                             "micro-batch, so only the gradient shard is held between them. false "
+                                             "skips the collective on non-final micro-batches but keeps every layer's "
+                                             "unsharded gradient until the last one (+2-4 bytes/parameter per GPU, "
+                                             "not divided by the world size)")
+    fsdp_reduce_in_fp32: bool = Field(True, description="FSDP with bf16/fp16 mixed precision: reduce gradients "
+                                      "in fp32, as DDP under autocast does (accelerate's default reduces in the "
+                                      "low precision)")
+
+
+class Recipe(_Section):
+    model: ModelSection
+    data: DataSection
+    training: TrainingSection = TrainingSection()
+    lora: LoraSection | None = None
+    preference: PreferenceSection = PreferenceSection()
+    logging: LoggingSection = LoggingSection()
+    distributed: DistributedSection = DistributedSection()
+    output: OutputSection
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> Recipe:
+        if self.model.quantization and self.lora is None:
+            raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
+        self._check_objective()
+        if self.data.streaming and self.training.max_steps is None:
+            raise ValueError("data.streaming: true needs training.max_steps (a stream has no length to count "
+                             "epochs in)")
+        return self
+
+
+    def _check_objective(self) -> None:
+        pairs = [s.format == "preference" for s in self.data.all_sources()]
+        if self.training.objective == "sft" and any(pairs):
+            raise ValueError("data.format: preference holds {prompt, chosen, rejected} pairs: set "
+                             "training.objective: dpo (or give SFT data)")
+        if self.training.objective != "dpo":
+            return
+        if not all(pairs):
+            raise ValueError("training.objective: dpo needs data.format: preference ({prompt, chosen, rejected} "
+                             "records) for every source")
+        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
+            raise ValueError("training.objective: dpo keeps each pair's chosen and rejected side by side in one "
+                             "micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+        if self.training.loss_impl != "chunked":
+            raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
+                             "training.loss_impl: plain")
+        pref = self.preference
+        if pref.reference_free() and pref.reference not in ("auto", "none"):
+            raise ValueError(f"preference.loss: {pref.loss} is reference-free: set preference.reference: auto or none")
+        if not pref.reference_free() and pref.reference == "none":
+            raise ValueError(f"preference.loss: {pref.loss} compares the policy with a reference: set "
+                             "preference.reference to auto, model or precomputed (or use loss simpo / orpo)")
+        if pref.reference == "model" and self.lora is not None:
+            raise ValueError("preference.reference: model with LoRA would hold a second copy of the base model; "
+                             "use auto (the base model with the adapters disabled is the reference)")
+
+    def for_launch(self, strategy: str, processes: int) -> Recipe:
+        """This recipe with output.dir's {strategy} and {processes} filled in for the running launch."""
+        output = self.output.model_copy(update={"dir": self.output.for_run(strategy, processes)})
+        return self.model_copy(update={"output": output})
+
+    def reference_mode(self) -> str:
+        """What the reference is in this run: none, adapters (LoRA: adapters disabled), precomputed, model."""
+        pref = self.preference
+        if pref.reference_free():
+            return "none"
+        if pref.reference == "auto":
+            return "adapters" if self.lora is not None else "precomputed"
+        return pref.reference
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """`a.b.c=v`; a number indexes a list (`data.sources.1.weight=2`)."""
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise RecipeError(f"override {dotted!r}: {key!r} is not an index of the {len(node)} items there")
+            child = node[int(key)]
+        else:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+        if not isinstance(child, (dict, list)):
+            raise RecipeError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    if isinstance(node, list):
+        if not leaf.isdigit() or int(leaf) >= len(node):
+            raise RecipeError(f"override {dotted!r}: {leaf!r} is not an index of the {len(node)} items there")
+        node[int(leaf)] = value
+    else:
+        node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`training.lr=1e-4` -> ("training.lr", 1e-4). Values are YAML, so lists and null work too."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {text!r}: expected key.path=value, e.g. training.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise RecipeError(f"{path}:{line}: invalid YAML: {exc.problem}") from None
+    if not isinstance(tree, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping with sections model/data/training/output")
+    return tree
+
+
+def _describe(error: dict, overridden: set[str]) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    where = " (set on the command line)" if key in overridden else ""
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key; check the spelling against the recipe fields in README.md"
+    elif "input" in error and error["type"] != "missing" and not isinstance(error["input"], dict):
+        message += f" (got {error['input']!r})"
+    return f"{key}{where}: {message}"
+
+
+def looks_local(path: str) -> bool:
+    return path.endswith(LOCAL_DATA_SUFFIXES) or os.path.sep in path and os.path.exists(path)
+
+
+def _check_files(recipe: Recipe, source: Path) -> None:
+    files = [("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)]
+    for i, src in enumerate(recipe.data.sources or []):
+        files += [(f"data.sources.{i}.path", src.path), (f"data.sources.{i}.eval_path", src.eval_path)]
+    for key, value in files:
+        if not (value and value.endswith(LOCAL_DATA_SUFFIXES)):
+            continue
+        if glob.has_magic(value) and not glob.glob(value):
+            raise RecipeError(f"{source}: {key}: the pattern {value!r} matches no file (paths are relative to the "
+                              f"directory you run from: {os.getcwd()})")
+        if not glob.has_magic(value) and not Path(value).is_file():
+            raise RecipeError(f"{source}: {key}: data file {value!r} not found (paths are relative to the "
+                              f"directory you run from: {os.getcwd()})")
+    local_model = recipe.model.name_or_path.startswith((".", "/")) or Path(recipe.model.name_or_path).exists()
+    if local_model and not (Path(recipe.model.name_or_path) / "config.json").is_file():
+        raise RecipeError(f"{source}: model.name_or_path: {recipe.model.name_or_path!r} has no config.json "
+                          "(for the tiny default model run `make tiny` first)")
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    source = Path(path)
+    tree = _read_yaml(source)
+    overridden = set()
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+        overridden.add(key)
+    try:
+        recipe = Recipe.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e, overridden) for e in exc.errors())
+        raise RecipeError(f"{source}: {problems}") from None
+    _check_files(recipe, source)
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain dict for trackers and the run's saved copy of its recipe."""
+    return recipe.model_dump(mode="json")
+
+
+def flat_fields(tree: dict, prefix: str = "") -> dict:
+    """A nested recipe dict as {'section.field': value}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_fields(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,179 @@
+"""Build the Accelerator for whatever `accelerate launch --config_file ...` chose, on GPUs or on CPU.
+
+The strategy (DDP, FSDP, DeepSpeed) comes from the launcher's environment, never from the recipe. On a
+machine without an accelerator the same configs run over gloo:
+- DDP / single process: `cpu=True` gives MULTI_CPU (gloo).
+- DeepSpeed: no `cpu` flag (DeepSpeed picks its CPU accelerator itself), but the process group must be
+  told to use gloo, otherwise accelerate sees one process and every rank would read the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch
+
+from disttrain.recipe.schema import Recipe
+
+
+def launcher_strategy() -> str:
+    """'deepspeed', 'fsdp', 'ddp' or 'single', as set by `accelerate launch` from the config file."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+
+
+def _deepspeed_zero() -> tuple[int | None, bool]:
+    """(ZeRO stage, anything offloaded) of a DeepSpeed launch. accelerate exports the stage only when the
+    config names it inline; with a DeepSpeed JSON (as every shipped config has) it lives in that file."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    offload = any(os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{what}_DEVICE", "none") not in ("none", "")
+                  for what in ("OPTIMIZER", "PARAM"))
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            zero = json.load(f).get("zero_optimization", {})
+        stage = zero.get("stage", stage)
+        offload = any(str(zero.get(key, {}).get("device", "none")) != "none"
+                      for key in ("offload_optimizer", "offload_param"))
+    return (int(stage) if stage not in (None, "", "auto") else None), offload
+
+
+def zero_stage() -> int | None:
+    return _deepspeed_zero()[0] if launcher_strategy() == "deepspeed" else None
+
+
+def run_label() -> str:
+    """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
+    ddp, fsdp, fsdp_offload, zero1, zero2, zero3, zero3_offload."""
+    strategy = launcher_strategy()
+    if strategy == "deepspeed":
+        stage, offload = _deepspeed_zero()
+        return f"zero{'' if stage is None else stage}{'_offload' if offload else ''}"
+    if strategy == "fsdp" and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        return "fsdp_offload"
+    return strategy
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _wandb_offline_without_key(report_to: list[str]) -> None:
+    """No key configured -> log to local files (`wandb sync` later) instead of failing on a login prompt."""
+    if "wandb" in report_to and not os.environ.get("WANDB_API_KEY"):
+        netrc = os.path.expanduser("~/.netrc")
+        if not (os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()):
+            os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def _unwrap_without_deepspeed() -> None:
+    """accelerate's unwrap_model imports DeepSpeed whenever it is installed, to recognise a DeepSpeed engine:
+    1.3 s of every rank's start-up. A launch that is not DeepSpeed has no such engine to recognise."""
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False
+
+
+def build_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                                  ProjectConfiguration, TorchDynamoPlugin)
+
+    strategy = launcher_strategy()
+    gpu = has_gpu()
+    report_to = [t for t in recipe.logging.report_to if t != "none"]
+    _wandb_offline_without_key(report_to)
+
+    # how long a rank waits in a collective for the others (guards.py turns a timeout into one clear line)
+    pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
+    if not gpu and strategy == "deepspeed":
+        pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
+    kwargs = dict(
+        # The loop fetches each accumulation window up front (to count its target tokens), which makes
+        # accelerate's end-of-dataloader flag fire early; sync on the step counter alone instead.
+        # FSDP: no-sync micro-batches would keep every layer's unsharded gradient until the last one (see
+        # DistributedSection.fsdp_sync_each_micro_batch); reduce-scatter each micro-batch instead.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=recipe.training.grad_accum, sync_with_dataloader=False,
+            sync_each_batch=strategy == "fsdp" and recipe.distributed.fsdp_sync_each_micro_batch),
+        mixed_precision=recipe.training.mixed_precision,
+        # The scheduler is stepped once per optimizer step by the loop. accelerate's default would step
+        # it num_processes times per call, silently shortening warmup and decay on many GPUs.
+        step_scheduler_with_optimizer=False,
+        # Same shuffling on every rank from the seed, then each rank takes its own disjoint shard;
+        # set_epoch() reshuffles per epoch and the order is reproducible on resume.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.training.seed),
+        log_with=report_to or None,
+        project_config=ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=f"{recipe.output.dir}/runs"),
+        kwargs_handlers=[pg_kwargs],
+    )
+    if recipe.training.compile:
+        # Regional: the repeated decoder block is compiled once and reused by every layer, so compile time
+        # does not grow with depth, and FSDP2's per-block sharding stays outside the compiled graphs.
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, dynamic=True)
+    if strategy == "deepspeed":
+        kwargs["deepspeed_plugin"] = _deepspeed_plugin(recipe)
+    else:
+        _unwrap_without_deepspeed()
+        kwargs["cpu"] = not gpu
+    if strategy == "fsdp" and not gpu:
+        from disttrain.runtime.fsdp_cpu import fsdp_branch_on_cpu, unpin_offload
+
+        with fsdp_branch_on_cpu(pg_kwargs.timeout):
+            accelerator = Accelerator(**kwargs)
+        unpin_offload(accelerator)
+    else:
+        accelerator = Accelerator(**kwargs)
+    if strategy == "fsdp" and recipe.distributed.fsdp_reduce_in_fp32:
+        _fsdp_reduce_in_fp32(accelerator)
+    return accelerator
+
+
+def _fsdp_reduce_in_fp32(accelerator) -> None:
+    """accelerate's FSDP2 mixed precision reduces gradients in the compute dtype (bf16); DDP under autocast
+    reduces the fp32 gradients of fp32 weights. Keep the low-precision compute, reduce in fp32. Read by
+    accelerator.prepare(), so it is set before."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy
+    if isinstance(policy, MixedPrecisionPolicy) and policy.param_dtype not in (None, torch.float32):
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs)
+
+
+def _deepspeed_plugin(recipe: Recipe):
+    """The DeepSpeed JSON keeps "auto" for what the recipe owns; fill those from the recipe here.
+    (accelerate refuses the same settings given both in the JSON and in the accelerate config.)"""
+    from accelerate.utils import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(gradient_accumulation_steps=recipe.training.grad_accum,
+                           gradient_clipping=recipe.training.max_grad_norm or 0.0)
+
+
+def set_deepspeed_micro_batch(accelerator, micro_batch_size: int) -> None:
+    """DeepSpeed's "auto" micro-batch size is read from a prepared dataloader; a stream is not prepared by
+    accelerate (each rank reads its own shards), so give the number directly."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
+def shards_weights(accelerator) -> bool:
+    """True under FSDP and ZeRO-3, where no rank holds the whole model."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3

@@ -1,0 +1,74 @@
+"""Starting `accelerate launch` jobs from our own tools (preflight, bench) exactly as a user would, with
+the output kept in a log file next to the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(config: str | Path, nproc: int, script: str | Path, *args: str,
+                   launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml [launcher_args] <script> <args>`;
+    `config` may also be the path of another .yaml."""
+    config_file = str(config) if str(config).endswith(".yaml") else str(REPO / "accelerate_configs" / f"{config}.yaml")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *launcher_args,
+            str(REPO / script), *args]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every process under it. torchrun starts its workers in sessions of their own, so
+    killing the launcher's process group alone would leave them running (and holding its output pipes)."""
+    import psutil
+
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)  # before the parent dies and they move
+    except psutil.Error:
+        below = []
+    for p in below:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run from the repository root (relative ds_configs paths), one CPU thread per process, `env` added to
+    the environment. After `timeout_s` the launcher and every process it started are killed (returncode -9,
+    the output kept)."""
+    # With a timeout the launch gets its own process group, so that killing it kills the workers too (without
+    # one it stays in ours: Ctrl-C reaches every process as usual).
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=timeout_s is not None,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {timeout_s:g}s)"
+    except BaseException:  # Ctrl-C while waiting: the own process group would not get it
+        if timeout_s is not None:
+            kill_tree(proc)
+        raise
+    log_path.write_text(stdout + "\n" + stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

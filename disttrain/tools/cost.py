@@ -1,0 +1,353 @@
+"""Time, cost and memory fit of a training run, per strategy: `make cost ARGS='...'`.
+
+    python -m disttrain.tools.cost --params 7e9 --tokens 100e9 --gpu "RTX 4090" --gpus 4 --strategy fsdp
+    python -m disttrain.tools.cost --recipe recipes/qwen2.5-7b/lora_sft.yaml --tokens 1e9 --gpu H100 --gpus 8
+
+Compute: FLOPs = tokens x FLOPs/token (disttrain/metrics/flops.py: 6N + attention, LoRA-aware); time = FLOPs /
+(GPUs x dense peak x MFU). MFU is an assumption per strategy unless --mfu or a measured bench result
+(--bench bench/results.json) replaces it. Memory per GPU: model states by the ZeRO paper's accounting
+(16 bytes/parameter for mixed-precision Adam, divided per stage; FSDP reduce-scatters every micro-batch by
+default, so gradients stay sharded: a recipe with distributed.fsdp_sync_each_micro_batch=false adds the
+unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthikanti et al. 2022,
+34 bytes x seq x batch x hidden per layer with flash/SDPA attention; 2 bytes per layer plus one layer's
+34 with gradient checkpointing), logits (training.loss_impl=plain: bf16 + fp32 copy + fp32 grad = 10 bytes x
+seq x batch x vocab; chunked, the default: one 64 MB chunk of fp32 logits and its gradient),
+preference tuning's reference (a frozen copy of the weights for `reference: model`, sharded like the policy;
+a micro-batch of pairs is twice the sequences; the reference forward in FLOPs), and a 2 GB reserve
+(CUDA context, communication buffers). Estimates, not measurements: leave headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.metrics.flops import (ModelShape, attention_flops_per_token, forward_flops_per_token,
+                             training_flops_per_token)
+from disttrain.metrics.hardware import ACCELERATORS, Accelerator, lookup
+
+STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload"]
+# Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
+# moves weights over PCIe every step). Replace with --mfu or --bench for real planning.
+ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
+               "fsdp_offload": 0.12, "zero3_offload": 0.12}
+RESERVE_GB = 2.0
+REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
+                   "precomputed": "once over the data (exact for one epoch)",
+                   "adapters": "no second copy (the adapters are disabled)"}
+USABLE = 0.95  # fraction of the card's memory the allocator can really hand out
+
+
+@dataclass
+class Workload:
+    params: float
+    shape: ModelShape | None
+    tokens: float
+    seq_len: int
+    micro_batch: int
+    gradient_checkpointing: bool
+    lora_params: float | None = None      # trainable adapter parameters (None: full fine-tune)
+    weight_bytes: float = 2.0             # frozen base weights under LoRA: 2 bf16, 0.5 for 4-bit
+    # FSDP with distributed.fsdp_sync_each_micro_batch=false and grad_accum > 1: every layer's gradient stays
+    # unsharded between micro-batches (4 bytes/trainable parameter when reduced in fp32, else 2), per GPU
+    fsdp_unsharded_grad_bytes: float = 0.0
+    loss_impl: str = "chunked"           # training.loss_impl: how much memory the logits take
+    # preference tuning's reference (Recipe.reference_mode): "model" holds a frozen copy of the weights, sharded
+    # like the policy; "adapters" and "model" run one more forward per step, "precomputed" one over the data
+    reference: str = "none"
+
+
+def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
+    trainable = w.params if w.lora_params is None else w.lora_params
+    return w.fsdp_unsharded_grad_bytes * trainable / 1e9 if strategy.startswith("fsdp") else 0.0
+
+
+def model_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
+    """(GPU GB, host GB) for weights + gradients + optimizer states of one GPU."""
+    gpu, host = _sharded_states_gb(w, strategy, n)
+    ref_gpu, ref_host = _reference_copy_gb(w, strategy, n)
+    return gpu + _fsdp_no_sync_gb(w, strategy) + ref_gpu, host + ref_host
+
+
+def _reference_copy_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
+    """preference.reference: model -- a frozen copy in the recipe's dtype, prepared like the policy: whole on
+    every GPU under DDP and ZeRO-1/2 (they shard no frozen weights), sharded under FSDP2 / ZeRO-3, in host
+    RAM when those offload."""
+    if w.reference != "model":
+        return 0.0, 0.0
+    weights = w.weight_bytes * w.params / 1e9
+    if strategy in ("ddp", "zero1", "zero2"):
+        return weights, 0.0
+    if strategy in ("fsdp", "zero3"):
+        return weights / n, 0.0
+    return 0.0, weights
+
+
+def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
+    p = w.params
+    if w.lora_params is None:
+        per_gpu = {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n,
+                   "fsdp": 16 * p / n, "zero3": 16 * p / n}
+        if strategy in per_gpu:
+            return per_gpu[strategy] / 1e9, 0.0
+        layer = 2 * p / (w.shape.layers if w.shape else 32)  # bf16 weights of one layer
+        return 2 * layer / 1e9, 16 * p / 1e9                 # two layers in flight; all states in host RAM
+    base = w.weight_bytes * p
+    adapters = 16 * w.lora_params
+    if strategy in ("ddp", "zero1", "zero2"):
+        return (base + adapters) / 1e9, 0.0                  # ZeRO-1/2 never shard frozen weights
+    if strategy in ("fsdp", "zero3"):
+        return (base + adapters) / n / 1e9, 0.0
+    return 2 * base / (w.shape.layers if w.shape else 32) / 1e9, (base + adapters) / 1e9
+
+
+def activations_gb(w: Workload) -> float | None:
+    if w.shape is None:
+        return None
+    tokens = w.seq_len * w.micro_batch
+    per_layer_full = 34 * tokens * w.shape.hidden
+    if w.gradient_checkpointing:
+        layers = 2 * tokens * w.shape.hidden * w.shape.layers + per_layer_full
+    else:
+        layers = per_layer_full * w.shape.layers
+    return (layers + logits_bytes(w, tokens)) / 1e9
+
+
+def logits_bytes(w: Workload, tokens: int) -> float:
+    """plain: bf16 logits + their fp32 copy + its gradient for every token (10 bytes x vocab); chunked
+    (disttrain/objectives/token_loss.py): one chunk's fp32 logits and their gradient, whatever the sequence."""
+    if w.loss_impl == "plain":
+        return 10.0 * tokens * w.shape.vocab
+    from disttrain.objectives.token_loss import CHUNK_LOGITS
+
+    return 8.0 * min(CHUNK_LOGITS, tokens * w.shape.vocab)
+
+
+def flops_per_token(w: Workload) -> float:
+    return _training_flops_per_token(w) + reference_flops_per_token(w)
+
+
+def _training_flops_per_token(w: Workload) -> float:
+    if w.shape is None:  # only a parameter count: 6N, no attention term
+        return (6.0 if w.lora_params is None else 4.0) * w.params + 6.0 * (w.lora_params or 0)
+    return training_flops_per_token(w.shape, w.seq_len, None if w.lora_params is None else int(w.lora_params))
+
+
+def reference_flops_per_token(w: Workload) -> float:
+    """Preference tuning's reference forward (2 FLOPs/weight/token and a third of the attention term, as
+    throughput.FlopsMeter counts a live one): every step for adapters/model; once over the data when
+    precomputed, counted per training token (exact for one epoch, an upper bound for more)."""
+    if w.reference == "none":
+        return 0.0
+    return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
+
+
+def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
+         mfu_source: dict[str, str], host_ram_gb: float | None) -> dict:
+    total_flops = flops_per_token(w) * w.tokens
+    act = activations_gb(w)
+    rows = []
+    for strategy in STRATEGIES:
+        states, host = model_states_gb(w, strategy, n_gpus)
+        need = states + (act or 0.0) + RESERVE_GB
+        fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
+        seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
+        hours = seconds / 3600
+        rows.append({"strategy": strategy, "states_gb": states, "activations_gb": act, "need_gb": need,
+                     "host_ram_gb": host, "fits": fits, "mfu": mfu[strategy], "mfu_source": mfu_source[strategy],
+                     "hours": hours, "gpu_hours": hours * n_gpus, "cost": hours * n_gpus * price})
+    fitting = [r for r in rows if r["fits"]]
+    best = min(fitting, key=lambda r: r["cost"])["strategy"] if fitting else None
+    return {"flops_per_token": flops_per_token(w), "total_flops": total_flops, "gpu": asdict(gpu), "gpus": n_gpus,
+            "price_per_gpu_hour": price, "rows": rows, "recommended": best}
+
+
+# ---------------------------------------------------------------- inputs
+def _workload_from_args(args) -> tuple[Workload, str]:
+    shape = None
+    lora = None
+    weight_bytes, no_sync_bytes, loss_impl, reference = 2.0, 0.0, "chunked", "none"
+    seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
+    title = ""
+    if args.recipe or args.config:
+        from transformers import AutoConfig
+
+        from disttrain.metrics.flops import shape_from_config
+        from disttrain.tools.preflight import find_config_dir
+
+        name = args.config
+        if args.recipe:
+            from disttrain.recipe.schema import load_recipe
+
+            recipe = load_recipe(args.recipe)
+            name = recipe.model.name_or_path
+            seq_len = args.seq_len or recipe.data.max_seq_len
+            micro = args.micro_batch or recipe.training.micro_batch_size
+            if recipe.training.objective == "dpo":
+                reference = recipe.reference_mode()
+                if not args.micro_batch:
+                    micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
+            ckpt = ckpt or recipe.model.gradient_checkpointing
+            weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
+            loss_impl = recipe.training.loss_impl
+            if recipe.lora is not None:
+                lora = (recipe.lora.r, recipe.lora.target_modules)
+            if not recipe.distributed.fsdp_sync_each_micro_batch and recipe.training.grad_accum > 1:
+                no_sync_bytes = 4.0 if recipe.distributed.fsdp_reduce_in_fp32 else 2.0
+        config = AutoConfig.from_pretrained(find_config_dir(name))
+        shape = shape_from_config(config)
+        params = shape.params
+        title = name
+    elif args.params:
+        params = args.params
+        title = f"{params / 1e9:.1f}B-parameter model"
+    else:
+        raise DisttrainError("give --recipe, --config (a model with a shipped config) or --params")
+    lora_params = None
+    if lora is not None:
+        lora_params = _lora_params(config, *lora)
+        title += f", LoRA r={lora[0]} ({lora_params / 1e6:.1f}M trainable)"
+    elif args.lora_params:
+        lora_params = args.lora_params
+        title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
+    if reference != "none":
+        title += f", DPO reference: {reference}"
+    return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
+                    no_sync_bytes, loss_impl, reference), title
+
+
+def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
+    """The recipe's model (from its shipped config.json), LoRA and sequence settings; no token count."""
+    import argparse
+
+    return _workload_from_args(argparse.Namespace(recipe=recipe_path, config=None, params=None, lora_params=None,
+                                                  tokens=0.0, seq_len=None, micro_batch=None,
+                                                  gradient_checkpointing=False))
+
+
+def _lora_params(config, r: int, targets) -> int:
+    """r x (in + out) for every targeted Linear ("all-linear" = all but the output projection)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        if targets == "all-linear" or name.split(".")[-1] in targets:
+            total += r * (module.in_features + module.out_features)
+    return total
+
+
+def _mfu(args) -> tuple[dict, dict]:
+    mfu, source = dict(ASSUMED_MFU), {s: "assumed" for s in STRATEGIES}
+    if args.bench:
+        results = json.loads(Path(args.bench).read_text())
+        for row in results.get("results", []):
+            name = row["strategy"].replace("-", "_")
+            if name in mfu and row.get("mfu"):
+                mfu[name], source[name] = float(row["mfu"]), f"measured ({Path(args.bench).name})"
+    if args.mfu:
+        for s in STRATEGIES:
+            mfu[s], source[s] = args.mfu, "given"
+    return mfu, source
+
+
+# ---------------------------------------------------------------- output
+def _fmt_hours(h: float) -> str:
+    return f"{h:,.1f} h" if h < 48 else f"{h / 24:,.1f} days"
+
+
+def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
+    gpu = result["gpu"]
+    lines = [
+        f"Plan: {title}",
+        f"  {w.params / 1e9:.2f}B parameters, {w.tokens:.3g} tokens"
+        + (f", seq {w.seq_len} x micro-batch {w.micro_batch}"
+           f"{', gradient checkpointing' if w.gradient_checkpointing else ''}" if w.shape else ""),
+        f"  FLOPs/token {result['flops_per_token']:.3g}"
+        + (f" (attention {attention_flops_per_token(w.shape, w.seq_len):.3g})" if w.shape else
+           " (6N; attention term needs --config/--recipe)")
+        + f", total {result['total_flops']:.3g} FLOPs",
+        *([f"  DPO reference ({w.reference}): {reference_flops_per_token(w):.3g} FLOPs/token of forward included, "
+           + REFERENCE_NOTES[w.reference]] if w.reference != "none" else []),
+        f"  {result['gpus']} x {gpu['name']}: {gpu['peak_tflops']:g} TFLOP/s dense bf16, {gpu['memory_gb']:g} GB, "
+        f"${result['price_per_gpu_hour']:.2f}/GPU-hour",
+        "",
+        f"  {'strategy':<14}{'states/GPU':>11}{'activ.':>9}{'need/GPU':>10}{'host RAM':>10}  {'fits':<5}"
+        f"{'MFU':>6}  {'(source)':<10}{'time':>12}{'GPU-hours':>12}{'cost':>12}",
+    ]
+    for r in result["rows"]:
+        mark = "*" if r["strategy"] == chosen else " "
+        act = f"{r['activations_gb']:.1f}" if r["activations_gb"] is not None else "?"
+        lines.append(
+            f"{mark} {r['strategy']:<14}{r['states_gb']:>9.1f}GB{act:>7}GB{r['need_gb']:>8.1f}GB"
+            f"{r['host_ram_gb']:>8.0f}GB  {'yes' if r['fits'] else 'NO':<5}{r['mfu']:>6.0%}  {r['mfu_source']:<10}"
+            f"{_fmt_hours(r['hours']):>12}{r['gpu_hours']:>12,.0f}{'$' + format(r['cost'], ',.0f'):>12}")
+    lines.append("")
+    if w.shape is None:
+        lines.append("Activations not included (no model shape): add --config or --recipe for them.")
+    if chosen:
+        row = next(r for r in result["rows"] if r["strategy"] == chosen)
+        lines.append(f"{chosen}: {'fits' if row['fits'] else 'DOES NOT FIT'} "
+                     f"({row['need_gb']:.1f} GB needed of {gpu['memory_gb']:g} GB per GPU), "
+                     f"{_fmt_hours(row['hours'])}, ${row['cost']:,.0f}")
+    if result["recommended"]:
+        lines.append(f"Recommended: {result['recommended']} — the cheapest strategy that fits "
+                     "(same GPUs, so cheapest = fastest at the MFU shown).")
+    else:
+        lines.append("Nothing fits: use more or larger GPUs, LoRA/QLoRA, gradient checkpointing or a shorter "
+                     "sequence.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_argument_group("model")
+    src.add_argument("--recipe", help="count parameters (and LoRA, seq, batch) from a recipe")
+    src.add_argument("--config", help="a model name with a shipped config (model_configs/) or a local model dir")
+    src.add_argument("--params", type=float, help="parameter count, when no config is at hand (e.g. 7e9)")
+    src.add_argument("--lora-params", type=float, help="trainable adapter parameters (with --params)")
+    parser.add_argument("--tokens", type=float, required=True, help="training tokens (e.g. 100e9)")
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpu", default="H100", help=f"one of: {', '.join(ACCELERATORS)}")
+    hw.add_argument("--gpus", type=int, default=8, help="GPUs in all")
+    hw.add_argument("--price", type=float, help="USD per GPU-hour (default: the table's round figure)")
+    hw.add_argument("--peak-tflops", type=float, help="override the dense peak")
+    hw.add_argument("--memory-gb", type=float, help="override the memory per GPU")
+    hw.add_argument("--host-ram-gb", type=float, help="host RAM for offload (per job); unknown if omitted")
+    parser.add_argument("--strategy", choices=STRATEGIES, help="the strategy you plan to use (marked *)")
+    parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
+    parser.add_argument("--bench", help="bench/results.json from `make bench`: its measured MFU per strategy")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    try:
+        gpu = lookup(args.gpu)
+    except KeyError as exc:
+        if not (args.peak_tflops and args.memory_gb):
+            raise DisttrainError(str(exc.args[0])) from None
+        gpu = Accelerator(args.gpu, args.memory_gb, args.peak_tflops, args.price or 0.0)
+    gpu = Accelerator(gpu.name, args.memory_gb or gpu.memory_gb, args.peak_tflops or gpu.peak_tflops,
+                      args.price if args.price is not None else gpu.price_per_hour)
+    workload, title = _workload_from_args(args)
+    mfu, source = _mfu(args)
+    result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb)
+    if args.json:
+        print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
+    else:
+        print(render(result, title, workload, args.strategy))
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(sys.argv[1:])

@@ -1,0 +1,8 @@
+"""The training loop and its state.
+
+    loop.py        accumulation windows, token-normalised loss, clipping, logging, evaluation, SIGTERM
+    optim.py       AdamW (or 8-bit) parameter groups and the LR schedules
+    checkpoint.py  atomic checkpoints, manifests, the run shape, auto-resume, full disks
+    samples.py     greedy sample generations at each evaluation (every rank in step)
+    handover.py    what a finished run hands the user: sample, export, card and plots, Hub upload
+"""
