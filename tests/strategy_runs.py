@@ -29,6 +29,9 @@ STEPS, CHECKPOINT_EVERY = 10, 5
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
         "merge_on_export": True}
 STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
+# the one run that also generates its end-of-run sample (greedy, every rank in step under ZeRO-3's gathered
+# weights: test_strategies asserts it); the others skip it (tests/conftest.base_recipe)
+SAMPLED = {"zero3": {"samples": 1}}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ def matrix_recipe(folder: Path, model_dir: Path, data: Path | dict, name: str, p
     tree = base_recipe(model_dir, folder / name, data={"path": str(data), "max_seq_len": 48},
                        training={"max_steps": STEPS, "micro_batch_size": 2 // processes, "grad_accum": 2,
                                  "lr": 2e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "max_grad_norm": 1.0},
+                       # replicas compared every step (DDP, ZeRO-1/2): test_guards reads the DDP LoRA run as the
+                       # control that correctly seeded ranks agree
+                       distributed={"check_replicas_every": 1},
                        output={"checkpoint_every": CHECKPOINT_EVERY})
     if isinstance(data, dict):
         tree["data"] = data
@@ -69,7 +75,8 @@ def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
     """The uninterrupted run of `strategy` ("single_gpu": the one-process reference), launched once."""
     def make(folder: Path) -> Run:
         processes = 1 if strategy == "single_gpu" else 2
-        recipe = matrix_recipe(folder, model_dir, small_data(runs), "run", processes, lora)
+        recipe = matrix_recipe(folder, model_dir, small_data(runs), "run", processes, lora,
+                               logging=SAMPLED.get(strategy, {}))
         proc = launch(strategy, recipe, nproc=processes)
         assert_ok(proc)
         return Run(folder / "run", proc.stdout)

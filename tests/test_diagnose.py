@@ -151,14 +151,16 @@ def test_loss_jump_after_a_resume_on_other_data(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
         tiny_model_dir, out, training={"max_steps": 40, "lr": 1e-2}, output={"checkpoint_every": 30}))
-    assert_ok(launch("ddp", recipe, overrides=["training.stop_at_step=30"]))
+    # one process: what is diagnosed is the metrics of a resume on other data, whatever the strategy
+    assert_ok(launch("single_gpu", recipe, nproc=1, overrides=["training.stop_at_step=30"]))
     assert classes(out) == []  # a clean run has nothing to report
     # the "resumed" run reads other data (random characters) and asks for another learning rate
     rng = __import__("random").Random(0)
     noise = tmp_path / "noise.jsonl"
     noise.write_text("".join(json.dumps({"text": "".join(rng.choice("qxzjvkw#@%&!?") for _ in range(200))}) + "\n"
                              for _ in range(400)))
-    resumed = launch("ddp", recipe, overrides=[f"data.path={noise}", "data.format=text", "training.lr=0.1"])
+    resumed = launch("single_gpu", recipe, nproc=1,
+                     overrides=[f"data.path={noise}", "data.format=text", "training.lr=0.1"])
     assert_ok(resumed)
     log = write_log(tmp_path, resumed)
     assert "warning: resuming with a changed recipe: data.format: 'alpaca' -> 'text'; data.path:" in resumed.stdout

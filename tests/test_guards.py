@@ -12,6 +12,7 @@ import pytest
 
 from conftest import base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
 from disttrain.tools.diagnose import diagnose
+from strategy_runs import strategy_run
 
 
 @pytest.mark.launch
@@ -94,15 +95,12 @@ def test_differently_seeded_ranks_are_reported_and_loss_spread_warns(tmp_path, t
 
 
 @pytest.mark.launch
-def test_correctly_seeded_lora_ranks_agree(tmp_path, tiny_model_dir):
-    """The control: train.py itself seeds every rank identically before the model and LoRA init."""
-    out = tmp_path / "out"
-    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
-        tiny_model_dir, out, training={"max_steps": 2}, lora={"r": 4, "alpha": 8},
-        distributed={"check_replicas_every": 1}, output={"save_final_model": False}))
-    proc = launch("ddp", recipe)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "built different initial weights" not in proc.stdout
+def test_correctly_seeded_lora_ranks_agree(runs, tiny_model_dir):
+    """The control: train.py itself seeds every rank identically before the model and LoRA init, and the
+    replicas stay equal. The strategy matrix's DDP LoRA run compares them at start and after every step."""
+    run = strategy_run(runs, tiny_model_dir, "ddp", True)  # made with assert_ok: no ReplicaMismatch stopped it
+    assert "check_replicas_every: 1" in (run.out / "recipe.yaml").read_text()
+    assert "built different initial weights" not in run.stdout
 
 
 def test_only_distributed_errors_are_explained_as_collective_failures():

@@ -17,8 +17,8 @@ import torch
 
 from conftest import assert_ok, launch
 from disttrain.metrics.log import read_metrics
-from strategy_runs import (CHECKPOINT_EVERY, LORA, STEPS, STRATEGIES, assert_same_run, final_weights, matrix_recipe, small_data,
-                           strategy_run)
+from strategy_runs import (CHECKPOINT_EVERY, LORA, SAMPLED, STEPS, STRATEGIES, assert_same_run, final_weights,
+                           matrix_recipe, small_data, strategy_run)
 
 pytestmark = pytest.mark.launch
 
@@ -33,6 +33,8 @@ def test_strategy_matches_single_process(strategy, lora, runs, tiny_model_dir):
     ref = strategy_run(runs, tiny_model_dir, "single_gpu", lora)
     run = strategy_run(runs, tiny_model_dir, strategy, lora)
     assert "processes=2" in run.stdout and "processes=1" in ref.stdout
+    if strategy in SAMPLED:  # generated at the end with sharded weights, every rank in step
+        assert "sample: '<|im_start|>user" in run.stdout, run.stdout[-2000:]
 
     ref_losses, losses = lines(ref.out), lines(run.out)
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -166,9 +166,9 @@ def first_step(path: Path, work: Path, max_seq_len: int) -> dict:
         "model": {"name_or_path": str(TOKENIZER), "dtype": "float32"},
         "data": {"path": str(path), "format": "alpaca", "max_seq_len": max_seq_len},
         "training": {"max_steps": 1, "micro_batch_size": 4, "mixed_precision": "no"},
-        "logging": {"report_to": ["none"], "every_steps": 1},
+        "logging": {"report_to": ["none"], "every_steps": 1, "samples": 0},  # measured: up to the first step
         "output": {"dir": str(work / "run"), "resume": "none", "checkpoint_at_end": False,
-                   "save_final_model": False}}))
+                   "save_final_model": False, "report": False}}))
     cmd = launch_command("ddp", 2, "train.py", "--recipe", str(recipe))
     started = time.time()
     proc = run_logged(cmd, work / "launch.log", timeout_s=1800, env={"HF_DATASETS_CACHE": str(work / "cache")})

@@ -83,6 +83,16 @@ def _unwrap_without_deepspeed() -> None:
     accelerate.utils.other.is_deepspeed_available = lambda: False
 
 
+def _without_shared_memory_kernels() -> None:
+    """DeepSpeed on CPU processes (tests, preflight) JIT-compiles its shared-memory all-reduce kernels in every
+    new environment (~70 CPU-s, while the other ranks wait), for `inference_all_reduce` alone: ZeRO's
+    collectives go through torch.distributed (gloo) either way, and that function falls back to it. Marked
+    unavailable, DeepSpeed skips the build; nothing changes on GPUs."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
@@ -97,6 +107,7 @@ def build_accelerator(recipe: Recipe):
     pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
     if not gpu and strategy == "deepspeed":
         pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
+        _without_shared_memory_kernels()
     kwargs = dict(
         # The loop fetches each accumulation window up front (to count its target tokens), which makes
         # accelerate's end-of-dataloader flag fire early; sync on the step counter alone instead.
