@@ -5,9 +5,8 @@
     accelerate launch ... train.py --recipe recipes/qwen2.5-7b/lora_sft.yaml training.lr=1e-4 output.dir=out
 
 The recipe says what to train; the accelerate config says how to distribute it. This file is the story of
-one run; each step is one call into disttrain/. Three seams keep it free of branches: the parallel plan
-(how the launch is split), the data feed (how batches arrive) and the objective (what is minimised).
-Rerunning the same command resumes from the newest complete checkpoint in output.dir (output.resume=auto).
+one run, each step one call into disttrain/; three seams keep it free of branches: the parallel plan, the
+data feed and the objective. The same command again resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -48,12 +47,12 @@ def main(argv=None):
     from disttrain.objectives import objective_for
     from disttrain.recipe import compat
     from disttrain.report import run_files
-    from disttrain.runtime.backends import build_accelerator, has_gpu, shards_weights
+    from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
     from disttrain.runtime.plan import ParallelPlan
     from disttrain.training import checkpoint, handover, loop, optim
     from disttrain.training.samples import build_sampler
 
-    # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} filled in.
+    # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
     compat.check_before_launch(recipe, plan.strategy, has_gpu())
@@ -81,6 +80,7 @@ def main(argv=None):
     guards.at("loading the model")
     model = loading.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
                                local_device=accelerator.local_process_index if has_gpu() else None)
+    gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
     objective = objective_for(recipe)
     loss = objective.loss(model)
     optimizer = optim.build_optimizer(model, cfg)

@@ -89,6 +89,28 @@ def tiny_model_dir(runs) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(runs, tiny_model_dir) -> Path:
+    """A tiny Qwen3-MoE (4 experts per block, 2 per token; the published config's router loss off) with the
+    tiny tokenizer, built once for every test process."""
+    def make(folder: Path) -> Path:
+        import torch
+        from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                mlp_only_layers=[], decoder_sparse_step=1, output_router_logits=False,
+                                router_aux_loss_coef=0.001, tie_word_embeddings=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(config).save_pretrained(folder / "tiny-moe", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "tiny-moe")
+        return folder / "tiny-moe"
+    return runs.get("tiny-moe", make)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

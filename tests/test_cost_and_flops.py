@@ -34,6 +34,21 @@ def test_parameter_counts_of_real_configs():
     assert tied.matmul_params == tied.params - 896 * (2 * 24 + 1) - 24 * (896 + 2 * 128) + 0
 
 
+def test_moe_counts_all_experts_for_memory_and_the_routed_ones_for_compute():
+    """The published totals (30.5B, 46.7B); per token only top-k of the experts' weights multiply (8 of 128,
+    2 of 8), plus attention, the router and the output projection."""
+    qwen = shape_from_config(config("Qwen/Qwen3-30B-A3B"))
+    assert qwen.params == 30_532_122_624
+    experts = 48 * 128 * 3 * 768 * 2048  # gate, up and down of every expert, fused as [E, out, in]
+    assert qwen.expert_params == experts
+    embedding, norms = 151936 * 2048, 48 * (2 * 2048 + 2 * 128) + 2048
+    assert qwen.matmul_params == qwen.params - embedding - norms - experts + experts * 8 // 128  # ~3.0B active
+    mixtral = shape_from_config(config("mistralai/Mixtral-8x7B-Instruct-v0.1"))
+    assert mixtral.params == 46_702_792_704
+    experts = 32 * 8 * 3 * 14336 * 4096
+    assert mixtral.matmul_params == mixtral.params - 32000 * 4096 - 4096 * 65 - experts + experts * 2 // 8
+
+
 def test_flops_per_token_by_hand():
     llama = shape_from_config(config("meta-llama/Llama-3.1-8B-Instruct"))
     expected = 6 * 7_504_658_432 + 12 * 32 * 32 * 128 * 4096
@@ -42,16 +57,22 @@ def test_flops_per_token_by_hand():
     assert lora == 4 * 7_504_658_432 + 6 * 20_000_000 + 12 * 32 * 32 * 128 * 4096
 
 
-@pytest.mark.parametrize("make_config", ["llama", "qwen2"])
-def test_formula_matches_torch_flop_counter(make_config):
-    """Within a few % of FlopCounterMode on real tiny models of two architectures (forward + backward)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, mlp_only_layers=[]),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
-    cls = LlamaConfig if make_config == "llama" else Qwen2Config
+
+@pytest.mark.parametrize("make_config", ["llama", "qwen2", "qwen3_moe", "mixtral"])
+def test_formula_matches_torch_flop_counter(make_config):
+    """Within a few % of FlopCounterMode on real tiny models of four architectures (forward + backward); the
+    MoE ones route each token to 2 experts, which the active-parameter count must reproduce."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[make_config]
     cfg = cls(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
-              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, **MOE.get(make_config, {}))
     cfg._attn_implementation = "eager"  # CPU SDPA kernels are invisible to FlopCounterMode; eager is plain matmuls
+    cfg._experts_implementation = "eager"  # so are grouped_mm's: eager experts are one matmul per expert
     model = AutoModelForCausalLM.from_config(cfg)
     seq = 256
     ids = torch.randint(0, 1000, (2, seq))

@@ -72,7 +72,7 @@ def test_dora_rslora_neftune_and_mlflow_under_fsdp(tmp_path, tiny_model_dir):
         tiny_model_dir, out, training={"max_steps": 4, "neftune_alpha": 5.0, "eval_every": 2},
         lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_dora": True, "use_rslora": True},
         data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
-        logging={"report_to": ["mlflow"], "every_steps": 1, "run_name": "knobs"}))
+        logging={"report_to": ["mlflow"], "every_steps": 1, "run_name": "knobs", "samples": 2}))
     store = tmp_path / "mlruns"
     # mlflow >= 3 keeps a local file store only on request (its default is an sqlite database)
     env = {"MLFLOW_TRACKING_URI": store.as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}

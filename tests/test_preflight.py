@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import REPO
 from disttrain.errors import DisttrainError
@@ -22,7 +23,13 @@ SHIPPED = {
     "qwen2.5-1.5b/cpt.yaml": "zero2",
     "tiny/dpo.yaml": "zero3",  # precomputed reference log-probs under ZeRO-3, read back on resume
     "qwen2.5-7b/dpo_lora.yaml": "ddp",  # reference = the base with the adapters disabled
+    # mixture of experts (shrunk to 4 experts, 2 per token), router loss on: LoRA on attention and the fused
+    # experts under ZeRO-3 (MoE blocks as leaf modules) and FSDP2; the full fine-tune under FSDP2
+    "qwen3-30b-a3b/lora_sft.yaml": "zero3",
+    "qwen3-30b-a3b/full_sft.yaml": "fsdp",
+    "mixtral-8x7b/lora_sft.yaml": "fsdp",
 }
+MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mixtral-8x7b/"))]
 
 
 def test_every_shipped_recipe_is_covered():
@@ -30,14 +37,23 @@ def test_every_shipped_recipe_is_covered():
     assert shipped == set(SHIPPED)
 
 
+def preflight(runs, recipe: str, tiny_model_dir):
+    """`make preflight` of a shipped recipe under the strategy it is written for, once per session: (its report's
+    rows, its work dir: model/, run/, save.log)."""
+    def make(folder):
+        overrides = [f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else []
+        report = run(str(REPO / "recipes" / recipe), SHIPPED[recipe], nproc=2, steps=4, work_dir=folder / "pf",
+                     overrides=overrides)
+        return report.rows, folder / "pf"
+    return runs.get("preflight-" + recipe.replace("/", "-"), make)
+
+
 @pytest.mark.parametrize("recipe, strategy", sorted(SHIPPED.items()))
-def test_preflight_passes(recipe, strategy, tmp_path, tiny_model_dir):
-    overrides = [f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else []
-    report = run(str(REPO / "recipes" / recipe), strategy, nproc=2, steps=4, work_dir=tmp_path / "pf",
-                 overrides=overrides)
-    assert [stage for stage, _, _ in report.rows] == ["recipe", "compatibility", "shrink", "save", "resume", "export"]
-    assert not report.failed(), report.rows
-    run_dir = tmp_path / "pf" / "run"
+def test_preflight_passes(recipe, strategy, runs, tiny_model_dir):
+    rows, work = preflight(runs, recipe, tiny_model_dir)
+    assert [stage for stage, _, _ in rows] == ["recipe", "compatibility", "shrink", "save", "resume", "export"]
+    assert all(status == "PASS" for _, status, _ in rows), rows
+    run_dir = work / "run"
     assert (run_dir / "final").is_dir()
     # the shipped data recipes: only the main process tokenises (rank 1 reads its datasets cache), the
     # mixture's three sources are mixed, the continued-pretraining rows are full 128-token chunks
@@ -45,16 +61,54 @@ def test_preflight_passes(recipe, strategy, tmp_path, tiny_model_dir):
     assert [r["tokenised_here"] for r in data["preparation_per_rank"] if r["rank"] != 0] == [False]
     if recipe == "tiny/mix_sft.yaml":
         assert set(data["train"]["sources"]) == {"alpaca", "chat", "tools"}
-        assert "mixture: tools:" in (tmp_path / "pf" / "save.log").read_text()
+        assert "mixture: tools:" in (work / "save.log").read_text()
+    if recipe == "qwen3-30b-a3b/lora_sft.yaml":  # ZeRO-3 gathers each MoE block whole on every rank
+        assert "ZeRO-3: MoE blocks gathered whole on every rank (Qwen3MoeSparseMoeBlock)" in \
+            (work / "save.log").read_text()
     if recipe == "tiny/cpt.yaml":
         assert data["train"]["tokens"] == data["train"]["rows"] * 128
         assert 0 <= data["train"]["dropped_remainder_tokens"] < 128 and data["train"]["truncated"] == 0
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE))
+def test_moe_recipes_train_like_one_process_across_their_resume(recipe, runs, tmp_path, tiny_model_dir):
+    """The MoE recipes' preflight (2 processes under ZeRO-3 or FSDP2, stopped at step 2 and resumed in a new
+    launch) against one process on the same shrunk model and rows: each rank's micro-batch is one of the single
+    process's (accumulation doubled), so the router's load-balancing loss, computed per micro-batch, is the
+    same too. Per-step losses 1e-4, exported weights (the adapters, or the whole model) 1e-4."""
+    from safetensors.torch import load_file
+
+    from conftest import assert_ok, launch
+    from disttrain.metrics.log import read_metrics
+    from disttrain.recipe.schema import load_recipe
+    from disttrain.tools.preflight import cpu_overrides
+
+    _, work = preflight(runs, recipe, tiny_model_dir)
+    path = REPO / "recipes" / recipe
+    spec = load_recipe(str(path))
+    overrides, _ = cpu_overrides(spec, work / "model", tmp_path / "single", 4)
+    accum = min(spec.training.grad_accum, 2)
+    proc = launch("single_gpu", path, nproc=1, overrides=[*overrides, f"training.grad_accum={2 * accum}"])
+    assert_ok(proc)
+    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+              for out in (work / "run", tmp_path / "single")]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
+    name = "adapter_model.safetensors" if spec.lora else "model.safetensors"
+    ours, single = load_file(work / "run" / "final" / name), load_file(tmp_path / "single" / "final" / name)
+    assert set(ours) == set(single) and any("experts" in key for key in ours)
+    for key, value in single.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
 
 
 def test_shrunk_model_keeps_the_architecture(tokenizer):
     config = shrink_config(find_config_dir("Qwen/Qwen2.5-0.5B-Instruct"), tokenizer)
     assert config.model_type == "qwen2" and config.tie_word_embeddings is True
     assert config.num_attention_heads == 4 and config.num_key_value_heads == 1  # 14:2 GQA -> 4:1 (ratio capped)
+    config = shrink_config(find_config_dir("Qwen/Qwen3-30B-A3B"), tokenizer)  # 128 experts, 8 per token
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == \
+        ("qwen3_moe", 4, 2, 32)
+    config = shrink_config(find_config_dir("mistralai/Mixtral-8x7B-Instruct-v0.1"), tokenizer)
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
     config = shrink_config(find_config_dir("meta-llama/Llama-3.1-8B-Instruct"), tokenizer)
     assert config.rope_scaling["rope_type"] == "llama3" and config.num_key_value_heads == 1
 

@@ -86,7 +86,7 @@ def test_strategies_one_after_another_with_the_defaults(tmp_path, tiny_model_dir
     """`make train-ddp`, then `make train-fsdp` with the same recipe: each gets its own dir ({strategy}-
     {processes}), both finish with a model card and plots; the same command again says the run is complete."""
     tree = base_recipe(tiny_model_dir, tmp_path / "runs" / "{strategy}-{processes}",
-                       training={"max_steps": 4, "eval_every": 2}, logging={"report_to": ["tensorboard"]},
+                       training={"max_steps": 4, "eval_every": 2}, logging={"report_to": ["tensorboard"], "samples": 2},
                        data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")}, output={"report": True})
     recipe = write_recipe(tmp_path / "r.yaml", tree)
 

@@ -7,6 +7,10 @@ embedding); the embedding lookup itself is no matmul. The attention term is the 
 (forward 2 matmuls x 2 FLOPs, backward 2x), with H query heads and d_head their dimension, so GQA does not
 shrink it; causal masking is not discounted, as in PaLM. Frozen weights need no weight gradients: 2 FLOPs
 forward + 2 backward (input gradients) per weight instead of 6.
+
+Mixture of experts: a token runs through its top-k experts only, so N_matmul counts the routed experts'
+weights times k / E (the *active* parameters) plus the router; memory counts all of them (`params`). transformers
+stores the experts of a block fused, as 3-D parameters [E, out, in] (not nn.Linear), read here by that shape.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class ModelShape:
     head_dim: int
     hidden: int
     vocab: int
+    expert_params: int = 0  # all routed-expert weights (MoE); matmul_params holds their active share
 
 
 def numel(p) -> int:
@@ -37,6 +42,14 @@ def numel(p) -> int:
     return n
 
 
+def moe_routing(config) -> tuple[int, int] | None:
+    """(experts per block, experts per token) of a mixture-of-experts config (or its text sub-config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else None
+
+
 def shape_from_model(model, config) -> ModelShape:
     """Counts from a live model (sharded or not); LoRA adapter matrices are not part of N_matmul."""
     import torch
@@ -44,9 +57,38 @@ def shape_from_model(model, config) -> ModelShape:
     params = sum(numel(p) for n, p in model.named_parameters() if "lora_" not in n)
     matmul = sum(numel(m.weight) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lora_" not in name)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelShape(params, matmul, config.num_hidden_layers, heads, head_dim, config.hidden_size, config.vocab_size)
+    experts, routed = _moe_weights(model, config)
+    if experts:
+        _, top_k = moe_routing(config)
+        matmul += routed["router"] + routed["experts"] * top_k // experts
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelShape(params, matmul, text.num_hidden_layers, heads, head_dim, text.hidden_size, text.vocab_size,
+                      routed["experts"])
+
+
+def _moe_weights(model, config) -> tuple[int, dict]:
+    """(E, {"experts": all fused expert weights, "router": router weights}): parameters outside nn.Linear that
+    are 3-D with E leading (the experts of a block) or E x hidden (the router's scores)."""
+    import torch
+
+    routing = moe_routing(config)
+    found = {"experts": 0, "router": 0}
+    if routing is None:
+        return 0, found
+    experts = routing[0]
+    hidden = (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or "lora_" in name:
+            continue
+        for p in module.parameters(recurse=False):
+            shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3 keeps the full shape in ds_shape
+            if len(shape) == 3 and shape[0] == experts:
+                found["experts"] += numel(p)
+            elif shape == (experts, hidden):
+                found["router"] += numel(p)
+    return experts, found
 
 
 def shape_from_config(config) -> ModelShape:

@@ -42,6 +42,23 @@ def _quantization_kwargs(spec: ModelSection, sharded: bool, local_device: int | 
     return kwargs
 
 
+def _router_kwargs(spec: ModelSection) -> dict:
+    """MoE: the router's load-balancing loss in the forward (its router logits returned, its weight set); the
+    loss objects add it as transformers' own loss does (objectives/token_loss.py)."""
+    if spec.router_aux_loss_coef is None:
+        return {}
+    from transformers import AutoConfig
+
+    from disttrain.metrics.flops import moe_routing
+
+    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                        trust_remote_code=spec.trust_remote_code)
+    if moe_routing(config) is None:  # a dense model's constructor would fail on the keyword, in a traceback
+        raise DisttrainError(f"model.router_aux_loss_coef: {spec.name_or_path} is not a mixture of experts (its "
+                             "config names no experts per token); remove the field")
+    return {"output_router_logits": True, "router_aux_loss_coef": spec.router_aux_loss_coef}
+
+
 def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None):
     """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any."""
     from transformers import AutoModelForCausalLM
@@ -50,7 +67,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
         spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
-        **_quantization_kwargs(spec, sharded, local_device))
+        **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec))
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
@@ -64,7 +81,8 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, modules_to_save=lora.modules_to_save,
+                        target_modules=lora.target_modules, target_parameters=lora.target_parameters,
+                        modules_to_save=lora.modules_to_save,
                         use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
                         rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type="CAUSAL_LM")
     if gradient_checkpointing:

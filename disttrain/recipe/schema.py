@@ -34,6 +34,10 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     tokenizer_name_or_path: str | None = None
     quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0.0, description="mixture of experts: train with the router's load-balancing loss at this weight "
+        "(turns on the model's output_router_logits; null keeps the model config's choice, off for Qwen3-MoE and "
+        "Mixtral as published)")
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference"]
@@ -185,6 +189,10 @@ class LoraSection(_Section):
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_parameters: list[str] | None = Field(
+        None, description="parameters (not modules) to adapt, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]: "
+        "the experts of a mixture-of-experts block, which transformers stores fused as 3-D tensors (peft's "
+        "target_parameters)")
     modules_to_save: list[str] | None = None
     merge_on_export: bool = False
     use_dora: bool = Field(False, description="DoRA: a learned magnitude per output feature on top of LoRA")
@@ -193,6 +201,14 @@ class LoraSection(_Section):
                                                             "a no-op); gaussian; false: random (tests only)")
     rank_pattern: dict[str, int] = Field(default_factory=dict, description="per-module ranks, e.g. {down_proj: 8}")
     alpha_pattern: dict[str, int] = Field(default_factory=dict, description="per-module alphas, like rank_pattern")
+
+    @model_validator(mode="after")
+    def _check_parameter_targets(self):
+        # peft adapts a parameter as W + B A, so x cannot be dropped out before A (it raises mid-load otherwise)
+        if self.target_parameters and (self.dropout or self.use_dora):
+            raise ValueError("lora.target_parameters needs lora.dropout: 0 and no DoRA (peft adapts a parameter "
+                             "directly, with no input to drop out or normalise)")
+        return self
 
 
 class LoggingSection(_Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -83,6 +84,19 @@ def _unwrap_without_deepspeed() -> None:
     accelerate.utils.other.is_deepspeed_available = lambda: False
 
 
+def _import_deepspeed_without_mlflow(report_to: list[str]) -> None:
+    """DeepSpeed's autotuner, which a training run never uses, imports mlflow at import time whenever it is
+    installed: ~4 CPU-s of every rank's start-up (measured with py-spy on a ZeRO-2 launch). Unless mlflow is one
+    of this run's trackers, DeepSpeed is imported while mlflow reads as absent; it is importable again after."""
+    if "mlflow" in report_to or "mlflow" in sys.modules or "deepspeed" in sys.modules:
+        return
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which the autotuner catches
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        del sys.modules["mlflow"]
+
+
 def _without_shared_memory_kernels() -> None:
     """DeepSpeed on CPU processes (tests, preflight) JIT-compiles its shared-memory all-reduce kernels in every
     new environment (~70 CPU-s, while the other ranks wait), for `inference_all_reduce` alone: ZeRO's
@@ -105,6 +119,8 @@ def build_accelerator(recipe: Recipe):
 
     # how long a rank waits in a collective for the others (guards.py turns a timeout into one clear line)
     pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
+    if strategy == "deepspeed":
+        _import_deepspeed_without_mlflow(report_to)
     if not gpu and strategy == "deepspeed":
         pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
         _without_shared_memory_kernels()
@@ -188,3 +204,28 @@ def shards_weights(accelerator) -> bool:
         return True
     plugin = accelerator.state.deepspeed_plugin
     return plugin is not None and plugin.zero_stage == 3
+
+
+def moe_block_classes(model) -> list[str]:
+    """Class names of the model's mixture-of-experts blocks: modules holding a router and their `experts`."""
+    import torch
+
+    names = {type(m).__name__ for m in model.modules()
+             if isinstance(getattr(m, "experts", None), torch.nn.Module) and hasattr(m, "gate")}
+    return sorted(names)
+
+
+def gather_moe_blocks_whole(accelerator, model) -> list[str]:
+    """ZeRO-3 gathers a layer's weights when it is entered. Inside an MoE block, which experts are entered
+    depends on the tokens each rank routes, so ranks would wait in different gathers (the hang DeepSpeed
+    documents for Mixtral and Qwen-MoE): its blocks become leaf modules (`set_z3_leaf_modules`, through
+    accelerate's `transformer_moe_cls_names`), gathered whole on every rank. Other strategies: nothing to do."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        return []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    classes = moe_block_classes(base)
+    if classes and plugin.transformer_moe_cls_names is None:
+        plugin.transformer_moe_cls_names = ",".join(classes)
+        accelerator.print(f"ZeRO-3: MoE blocks gathered whole on every rank ({', '.join(classes)})")
+    return classes

@@ -195,7 +195,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             loss_impl = recipe.training.loss_impl
             if recipe.lora is not None:
-                lora = (recipe.lora.r, recipe.lora.target_modules)
+                lora = (recipe.lora.r, recipe.lora.target_modules, recipe.lora.target_parameters)
             if not recipe.distributed.fsdp_sync_each_micro_batch and recipe.training.grad_accum > 1:
                 no_sync_bytes = 4.0 if recipe.distributed.fsdp_reduce_in_fp32 else 2.0
         config = AutoConfig.from_pretrained(find_config_dir(name))
@@ -229,8 +229,9 @@ def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
                                                   gradient_checkpointing=False))
 
 
-def _lora_params(config, r: int, targets) -> int:
-    """r x (in + out) for every targeted Linear ("all-linear" = all but the output projection)."""
+def _lora_params(config, r: int, targets, parameters=None) -> int:
+    """r x (in + out) for every targeted Linear ("all-linear" = all but the output projection); for a targeted
+    parameter (an MoE block's fused experts, [E, out, in]) peft adds one r-rank pair per expert: r x E x (in + out)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -242,6 +243,10 @@ def _lora_params(config, r: int, targets) -> int:
             continue
         if targets == "all-linear" or name.split(".")[-1] in targets:
             total += r * (module.in_features + module.out_features)
+    for name, param in model.named_parameters():
+        if parameters and param.dim() == 3 and any(name.endswith(t) for t in parameters):
+            experts, out, inp = param.shape
+            total += r * experts * (out + inp)
     return total
 
 
@@ -271,6 +276,9 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
         f"  {w.params / 1e9:.2f}B parameters, {w.tokens:.3g} tokens"
         + (f", seq {w.seq_len} x micro-batch {w.micro_batch}"
            f"{', gradient checkpointing' if w.gradient_checkpointing else ''}" if w.shape else ""),
+        *([f"  mixture of experts: {w.shape.matmul_params / 1e9:.2f}B matmul parameters active per token (the "
+           f"top-k share of {w.shape.expert_params / 1e9:.2f}B expert weights, + attention, router, head): FLOPs "
+           f"count those; memory counts all {w.params / 1e9:.2f}B"] if w.shape and w.shape.expert_params else []),
         f"  FLOPs/token {result['flops_per_token']:.3g}"
         + (f" (attention {attention_flops_per_token(w.shape, w.seq_len):.3g})" if w.shape else
            " (6N; attention term needs --config/--recipe)")

@@ -28,6 +28,7 @@ MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
              "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl"}
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY_EXPERTS = 4
 
 
 def find_config_dir(name_or_path: str) -> Path:
@@ -44,7 +45,8 @@ def find_config_dir(name_or_path: str) -> Path:
 
 
 def shrink_config(config_dir: Path, tokenizer):
-    """Same architecture and options (GQA ratio, tied embeddings, rope scaling), tiny dimensions."""
+    """Same architecture and options (GQA ratio, tied embeddings, rope scaling, experts and routing), tiny
+    dimensions."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(config_dir)
@@ -59,6 +61,15 @@ def shrink_config(config_dir: Path, tokenizer):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
     if hasattr(config, "max_window_layers"):
         config.max_window_layers = config.num_hidden_layers
+    for key in ("num_experts", "num_local_experts"):  # mixture of experts: 4 experts, 2 per token, small
+        if getattr(config, key, None):
+            setattr(config, key, min(getattr(config, key), TINY_EXPERTS))
+            config.num_experts_per_tok = min(config.num_experts_per_tok, TINY_EXPERTS // 2)
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, key, None):
+            setattr(config, key, TINY_DIMS["intermediate_size"] // 4)
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = [i for i in config.mlp_only_layers if i < config.num_hidden_layers]
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = None, tokenizer.eos_token_id, tokenizer.pad_token_id
     return config
