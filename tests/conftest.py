@@ -88,6 +88,23 @@ def tiny_model_dir(runs) -> Path:
     return runs.get("tiny-llama", lambda folder: build_model_dir(folder / "tiny-llama"))
 
 
+# Tests whose wall time is longest (measured in CI: 60-120 s each), run first among the launches.
+LONGEST = ("test_strategy_matches_single_process", "test_acceptance_dry_run_records_every_item",
+           "test_compiled_run_matches_eager_losses_without_recompiles", "test_bench_data_measures_ours_floor_memory_and_the_first_step",
+           "test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s",
+           "test_full_dpo_matches_single_process")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first: the launches before the unit tests, the longest launches first (the suite's two test
+    processes take tests in this order and steal from each other's end), so that what is left at the end is
+    seconds-long unit tests and both processes finish together instead of one waiting on a long launch."""
+    def weight(item) -> tuple[int, int]:
+        launch = item.get_closest_marker("launch") is not None
+        return (0 if launch else 1, 0 if item.originalname in LONGEST else 1)
+    items.sort(key=weight)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(runs, tiny_model_dir) -> Path:
     """A tiny Qwen3-MoE (4 experts per block, 2 per token; the published config's router loss off) with the

@@ -3,7 +3,7 @@ PASS / FAIL / SKIP / INFO line per item. Prepared on CPU; not yet run on a GPU.
 
 Layout: this file is the runner (the item list, --items/--timeout/--budget/--jobs, the results); harness.py
 is what every item uses (settings, context, launches with deadlines, the base recipe, loss and export
-checks); items/ holds one module per family (finetune, adapters, dpo, packing, measure); kit_install.py
+checks); items/ holds one module per family (finetune, adapters, dpo, moe, packing, measure); kit_install.py
 installs the wheels of `make gpu-kit` (kit.py) on the GPU machine.
 
     make gpu-kit    # here: gpu_kit/, the wheels the GPU machine lacks (scripts/gpu/kit.py), ~9 MiB
@@ -24,6 +24,9 @@ Items (--items a,b,c picks some; default all, started in the order below):
     qlora_{ddp,fsdp}          the same with model.quantization=4bit; qlora_fsdp sets DISTTRAIN_ALLOW_UNVERIFIED=1
                               (this run is what verifies it); SKIP when bitsandbytes does not import
     adamw_8bit                training.optimizer=adamw_8bit on one GPU; SKIP without bitsandbytes
+    moe_lora                  a small Qwen3-MoE (8 experts, 2 per token): LoRA on attention and the fused experts
+                              (lora.target_parameters), router loss on, bf16 under FSDP2 with transformers' GPU
+                              expert kernels: finite losses, expert adapters exported, MFU in (0, 1]
     packing_{sdpa,flash_attention_2}
                               scripts/gpu/packing_isolation.py says packed examples are isolated, and train.py's
                               eval loss of the initial weights is the same packed and unpacked (rel 1e-2 in
@@ -58,8 +61,8 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
 (imports, CUDA init, model load); DeepSpeed ~15-20 s. Per item (Item.estimate_s below):
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 28, _fsdp 30, _zero2 38, _zero3 40, streaming_resume 28 (2 launches each); lora_ddp 15,
-    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, packing_sdpa 35, packing_flash_attention_2
-    35 (a SKIP without flash-attn: ~2 s)                        370 s in all; 3 side by side: ~120-145 s
+    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, moe_lora 25, packing_sdpa 35,
+    packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  395 s in all; 3 side by side: ~130-155 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 60    ~180 s
     total ~6.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~8 min, so the last items may be SKIPped for the budget.
@@ -93,6 +96,7 @@ from items.adapters import adapter  # noqa: E402
 from items.dpo import dpo  # noqa: E402
 from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
+from items.moe import moe_lora  # noqa: E402
 from items.packing import packing  # noqa: E402
 from kit_install import install_wheels, wheels_line  # noqa: E402
 
@@ -126,6 +130,7 @@ ITEMS = [
     Item("qlora_fsdp", partial(adapter, config="fsdp", quantized=True), 20, 60, False),
     Item("adamw_8bit", adamw_8bit, 15, 60, False),
     Item("dpo", dpo, 50, 150, True),
+    Item("moe_lora", moe_lora, 25, 90, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
