@@ -2,10 +2,11 @@
 
 Today the plan has one dimension: every process is a data-parallel rank (DDP, FSDP2 and ZeRO-1/2/3 differ in
 what they shard, not in who reads which data). The rest of the run asks the plan, never the environment:
-the strategy and its label for output.dir, the ZeRO stage, which data rank this process is and how many
-there are (the data feed shards by them), and over which group token counts and losses are reduced. A mesh
-(long context: context / sequence / tensor parallel ranks that share a batch) extends this object; data
-rank and process rank then differ, and nothing else needs a branch.
+the strategy and its label for output.dir, the ZeRO stage, the checkpoint's strategy, which data rank this
+process is and how many there are (the data feed shards by them). Token counts and losses are reduced over
+every process today (the loop uses the default group). A mesh (long context: context / sequence / tensor
+parallel ranks that share a batch) extends this object with its groups; data rank and process rank then
+differ, and the feed and the loop ask the plan instead of the accelerator.
 """
 
 from __future__ import annotations
@@ -39,5 +40,3 @@ class ParallelPlan:
     @staticmethod
     def data_ranks(accelerator) -> int:
         return accelerator.num_processes
-
-    reduce_group = None  # token counts and losses are reduced over every process (the default group)
