@@ -5,9 +5,13 @@ import json
 import pytest
 import torch
 
-from conftest import REPO
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_ok, launch
 from disttrain.errors import DisttrainError
-from disttrain.tools.preflight import find_config_dir, run, shrink_config
+from disttrain.metrics.log import read_metrics
+from disttrain.recipe.schema import load_recipe
+from disttrain.tools.preflight import cpu_overrides, find_config_dir, run, shrink_config
 
 pytestmark = pytest.mark.launch
 
@@ -76,13 +80,6 @@ def test_moe_recipes_train_like_one_process_across_their_resume(recipe, runs, tm
     launch) against one process on the same shrunk model and rows: each rank's micro-batch is one of the single
     process's (accumulation doubled), so the router's load-balancing loss, computed per micro-batch, is the
     same too. Per-step losses 1e-4, exported weights (the adapters, or the whole model) 1e-4."""
-    from safetensors.torch import load_file
-
-    from conftest import assert_ok, launch
-    from disttrain.metrics.log import read_metrics
-    from disttrain.recipe.schema import load_recipe
-    from disttrain.tools.preflight import cpu_overrides
-
     _, work = preflight(runs, recipe, tiny_model_dir)
     path = REPO / "recipes" / recipe
     spec = load_recipe(str(path))

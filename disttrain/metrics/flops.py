@@ -42,9 +42,14 @@ def numel(p) -> int:
     return n
 
 
+def _text_config(config):
+    """The language model's config (multimodal wrappers keep it as a sub-config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def moe_routing(config) -> tuple[int, int] | None:
     """(experts per block, experts per token) of a mixture-of-experts config (or its text sub-config)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
     return (int(experts), int(top_k)) if experts and top_k else None
@@ -54,41 +59,37 @@ def shape_from_model(model, config) -> ModelShape:
     """Counts from a live model (sharded or not); LoRA adapter matrices are not part of N_matmul."""
     import torch
 
+    text = _text_config(config)
     params = sum(numel(p) for n, p in model.named_parameters() if "lora_" not in n)
     matmul = sum(numel(m.weight) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lora_" not in name)
-    experts, routed = _moe_weights(model, config)
-    if experts:
-        _, top_k = moe_routing(config)
-        matmul += routed["router"] + routed["experts"] * top_k // experts
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    routing = moe_routing(config)
+    experts = router = 0
+    if routing is not None:
+        experts, router = _moe_weights(model, routing[0], text.hidden_size)
+        matmul += router + experts * routing[1] // routing[0]
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelShape(params, matmul, text.num_hidden_layers, heads, head_dim, text.hidden_size, text.vocab_size,
-                      routed["experts"])
+                      experts)
 
 
-def _moe_weights(model, config) -> tuple[int, dict]:
-    """(E, {"experts": all fused expert weights, "router": router weights}): parameters outside nn.Linear that
-    are 3-D with E leading (the experts of a block) or E x hidden (the router's scores)."""
+def _moe_weights(model, experts: int, hidden: int) -> tuple[int, int]:
+    """(all fused expert weights, router weights): parameters outside nn.Linear that are 3-D with `experts`
+    leading (the experts of a block) or experts x hidden (the router's scores)."""
     import torch
 
-    routing = moe_routing(config)
-    found = {"experts": 0, "router": 0}
-    if routing is None:
-        return 0, found
-    experts = routing[0]
-    hidden = (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size
+    fused = router = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or "lora_" in name:
             continue
         for p in module.parameters(recurse=False):
             shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3 keeps the full shape in ds_shape
             if len(shape) == 3 and shape[0] == experts:
-                found["experts"] += numel(p)
+                fused += numel(p)
             elif shape == (experts, hidden):
-                found["router"] += numel(p)
-    return experts, found
+                router += numel(p)
+    return fused, router
 
 
 def shape_from_config(config) -> ModelShape:

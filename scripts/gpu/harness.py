@@ -211,8 +211,8 @@ def check_full_export(ctx: Ctx, final: Path, log: Path) -> None:
         raise Fail(f"{final} holds non-finite weights", log)
 
 
-def check_adapter_export(final: Path, log: Path) -> int:
-    """final/ holds a LoRA adapter (config + finite safetensors weights); returns its tensor count."""
+def check_adapter_export(final: Path, log: Path) -> list[str]:
+    """final/ holds a LoRA adapter (config + finite safetensors weights); returns its tensors' names."""
     import torch
     from safetensors.torch import load_file
 
@@ -222,5 +222,5 @@ def check_adapter_export(final: Path, log: Path) -> int:
     tensors = load_file(weights)
     if not tensors or not all(torch.isfinite(t).all() for t in tensors.values()):
         raise Fail(f"{weights}: empty or non-finite adapter weights", log)
-    return len(tensors)
+    return sorted(tensors)
 

@@ -19,7 +19,7 @@ def adapter(ctx: Ctx, config: str, quantized: bool) -> tuple[str, str]:
     run = ctx.item_dir / "run"
     _, log = train(ctx, "run", config, recipe(ctx, run, model=model, lora=LORA, training={"lr": 1e-3}), env=env)
     found = require_finite_losses(run, ctx.s.steps, log)
-    tensors = check_adapter_export(run / "final", log)
+    tensors = len(check_adapter_export(run / "final", log))
     ctx.figures.update(first_loss=found[1], final_loss=found[ctx.s.steps], adapter_tensors=tensors)
     return PASS, f"{ctx.s.steps} steps, losses finite ({found[1]:.3f} -> {found[ctx.s.steps]:.3f}); adapter exported"
 
