@@ -118,7 +118,7 @@ bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/re
 bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same data and batch -> bench/overhead/
 	$(PY) -m disttrain.bench.overhead --recipe $(RECIPE) --nproc $(GPUS) $(ARGS)
 
-bench-memory: setup ## loss memory, plain (full logits) vs chunked, per strategy, 152k vocabulary -> bench/memory/
+bench-memory: setup ## loss memory and step time per strategy: plain (full logits), chunked, TRL's fused head; 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench.memory --nproc $(GPUS) $(ARGS)
 
 report: setup ## summary table of RUN (one or several output dirs), with their plots and model cards

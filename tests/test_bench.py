@@ -94,16 +94,21 @@ def test_gpu_figures_script_dry_runs_on_cpu(tmp_path):
 
 
 def test_bench_memory_measures_plain_chunked_and_floor(tmp_path):
-    """`make bench-memory` end to end on one process with a small vocabulary: three launches, one row."""
+    """`make bench-memory` end to end under DDP (2 processes: each engine's self-check on a wrapped model) with a
+    small vocabulary: one launch per engine (plain, chunked, TRL's fused head) and the floor, one row; the engines
+    trained the same steps to the same losses."""
     from disttrain.bench.memory import main as memory_main
 
     out = tmp_path / "memory"
-    memory_main(["--strategies", "single_gpu", "--vocab", "8192", "--seq", "128", "--steps", "3", "--warmup", "1",
-                 "--out", str(out)])
+    memory_main(["--strategies", "ddp", "--nproc", "2", "--vocab", "8192", "--seq", "128", "--steps", "3",
+                 "--warmup", "1", "--out", str(out)])
     (row,) = json.loads((out / "results.json").read_text())["rows"]
-    assert all(row[f"{run}_peak_gb"] > 0 and row[f"{run}_step_s"] > 0 for run in ("plain", "chunked", "floor"))
+    runs = ("plain", "chunked", "trl", "floor")
+    assert all(row[f"{run}_peak_gb"] > 0 and row[f"{run}_step_s"] > 0 for run in runs)
     assert row["plain_loss_gb"] == pytest.approx(row["plain_peak_gb"] - row["floor_peak_gb"])
-    assert "| single_gpu |" in (out / "results.md").read_text()
+    assert row["chunked_loss_rel_diff"] < 1e-4 and row["trl_loss_rel_diff"] < 1e-4  # fp32: the same training
+    table = (out / "results.md").read_text()
+    assert "| ddp | trl |" in table and "| ddp | chunked |" in table
 
 
 def test_bench_data_measures_ours_floor_memory_and_the_first_step(tmp_path):

@@ -63,12 +63,13 @@ def batches():
 
 @pytest.mark.parametrize("layout", ["unpacked", "packed"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_chunked_loss_equals_the_models_own_loss_and_gradients(family, layout):
+@pytest.mark.parametrize("engine", ["chunked", "trl"])  # ours, and TRL's fused head (the comparison's bar)
+def test_chunked_loss_equals_the_models_own_loss_and_gradients(engine, family, layout):
     plain_model = tiny(family)
     chunked_model = copy.deepcopy(plain_model)
     batch = batches()[layout]
     plain = loss_and_grads(plain_model, "plain", batch)
-    chunked = loss_and_grads(chunked_model, "chunked", batch)
+    chunked = loss_and_grads(chunked_model, engine, batch)
     assert_same_loss_and_grads(chunked, plain, rtol=1e-5, atol=1e-5, grad_rtol=1e-4)
     if "router_aux_loss_coef" not in FAMILIES[family][2]:  # evaluation: the token losses alone
         torch.testing.assert_close(chunked[2], plain[2], rtol=1e-5, atol=1e-5)

@@ -40,7 +40,8 @@ def loss_and_grads(model, impl, batch):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("layout", ["unpacked", "packed", "flattened"])
-def test_chunked_loss_and_gradients_equal_the_plain_ones(lora, layout, tiny_model_dir, tokenizer):
+@pytest.mark.parametrize("engine", ["chunked", "trl"])  # ours, and TRL's fused head (the comparison's bar)
+def test_chunked_loss_and_gradients_equal_the_plain_ones(engine, lora, layout, tiny_model_dir, tokenizer):
     spec = ModelSection(name_or_path=str(tiny_model_dir), dtype="float32")
     lora_spec = LoraSection(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora else None
     torch.manual_seed(0)
@@ -48,7 +49,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(lora, layout, tiny_mode
     chunked_model = copy.deepcopy(plain_model)
     batch = batches(tokenizer)[layout]
     plain = loss_and_grads(plain_model, "plain", batch)
-    chunked = loss_and_grads(chunked_model, "chunked", batch)
+    chunked = loss_and_grads(chunked_model, engine, batch)
     tests_support.assert_same_loss_and_grads(chunked, plain, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked[2], plain[2], rtol=1e-5, atol=1e-6)  # evaluation's per-token losses
     # the checkpoint/export path is untouched: same parameter names, plain logits when no targets are set
@@ -57,13 +58,14 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(lora, layout, tiny_mode
     torch.testing.assert_close(chunked_model(**inputs).logits, plain_model(**inputs).logits)
 
 
-def test_bf16_autocast_stays_close_to_plain(tiny_model_dir, tokenizer):
+@pytest.mark.parametrize("engine", ["chunked", "trl"])
+def test_bf16_autocast_stays_close_to_plain(engine, tiny_model_dir, tokenizer):
     spec = ModelSection(name_or_path=str(tiny_model_dir), dtype="float32")
     model = load_model(spec, None)
     batch = batches(tokenizer)["packed"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = TokenLoss(copy.deepcopy(model), "plain").training_loss(model, batch, count_targets(batch).float())
-        token_loss = TokenLoss(model, "chunked")
+        token_loss = TokenLoss(model, engine)
         chunked = token_loss.training_loss(model, batch, count_targets(batch).float())
     assert chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, plain, rtol=2e-2, atol=2e-2)

@@ -41,11 +41,16 @@ def test_every_shipped_recipe_is_covered():
     assert shipped == set(SHIPPED)
 
 
+# what preflight proves is that the recipe trains, checkpoints, resumes and exports; the end-of-run samples and
+# the model card (~5 CPU-s a launch) are proven under every strategy elsewhere (test_report, the ZeRO-3 matrix run)
+QUIET = ["logging.samples=0", "output.report=false"]
+
+
 def preflight(runs, recipe: str, tiny_model_dir):
     """`make preflight` of a shipped recipe under the strategy it is written for, once per session: (its report's
     rows, its work dir: model/, run/, save.log)."""
     def make(folder):
-        overrides = [f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else []
+        overrides = QUIET + ([f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else [])
         report = run(str(REPO / "recipes" / recipe), SHIPPED[recipe], nproc=2, steps=4, work_dir=folder / "pf",
                      overrides=overrides)
         return report.rows, folder / "pf"
@@ -74,27 +79,55 @@ def test_preflight_passes(recipe, strategy, runs, tiny_model_dir):
         assert 0 <= data["train"]["dropped_remainder_tokens"] < 128 and data["train"]["truncated"] == 0
 
 
-@pytest.mark.parametrize("recipe", sorted(MOE))
-def test_moe_recipes_train_like_one_process_across_their_resume(recipe, runs, tmp_path, tiny_model_dir):
-    """The MoE recipes' preflight (2 processes under ZeRO-3 or FSDP2, stopped at step 2 and resumed in a new
-    launch) against one process on the same shrunk model and rows: each rank's micro-batch is one of the single
-    process's (accumulation doubled), so the router's load-balancing loss, computed per micro-batch, is the
-    same too. Per-step losses 1e-4, exported weights (the adapters, or the whole model) 1e-4."""
+def moe_single_process(runs, recipe: str, tiny_model_dir):
+    """One process on the MoE recipe's shrunk model and rows, once per session: each micro-batch of a 2-process
+    run is one of its micro-batches (accumulation doubled), so the router's load-balancing loss, computed per
+    micro-batch, is the same too. Returns (its output dir, the preflight's work dir)."""
     _, work = preflight(runs, recipe, tiny_model_dir)
-    path = REPO / "recipes" / recipe
-    spec = load_recipe(str(path))
-    overrides, _ = cpu_overrides(spec, work / "model", tmp_path / "single", 4)
-    accum = min(spec.training.grad_accum, 2)
-    proc = launch("single_gpu", path, nproc=1, overrides=[*overrides, f"training.grad_accum={2 * accum}"])
-    assert_ok(proc)
-    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
-              for out in (work / "run", tmp_path / "single")]
+
+    def make(folder):
+        spec = load_recipe(str(REPO / "recipes" / recipe))
+        overrides, _ = cpu_overrides(spec, work / "model", folder / "single", 4)
+        accum = min(spec.training.grad_accum, 2)
+        proc = launch("single_gpu", REPO / "recipes" / recipe, nproc=1,
+                      overrides=[*QUIET, *overrides, f"training.grad_accum={2 * accum}"])
+        assert_ok(proc)
+        return folder / "single"
+    return runs.get("moe-single-" + recipe.replace("/", "-"), make), work
+
+
+def assert_moe_runs_equal(recipe: str, ours, single) -> None:
+    """Per-step losses 1e-4, exported weights (the adapters, or the whole model) 1e-4, experts included."""
+    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (ours, single)]
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
-    name = "adapter_model.safetensors" if spec.lora else "model.safetensors"
-    ours, single = load_file(work / "run" / "final" / name), load_file(tmp_path / "single" / "final" / name)
+    name = "adapter_model.safetensors" if load_recipe(str(REPO / "recipes" / recipe)).lora else "model.safetensors"
+    ours, single = load_file(ours / "final" / name), load_file(single / "final" / name)
     assert set(ours) == set(single) and any("experts" in key for key in ours)
     for key, value in single.items():
         torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE))
+def test_moe_recipes_train_like_one_process_across_their_resume(recipe, runs, tiny_model_dir):
+    """The MoE recipes' preflight (2 processes under ZeRO-3 or FSDP2, stopped at step 2 and resumed in a new
+    launch) against one process on the same shrunk model and rows."""
+    single, work = moe_single_process(runs, recipe, tiny_model_dir)
+    assert_moe_runs_equal(recipe, work / "run", single)
+
+
+@pytest.mark.parametrize("recipe, strategy", [("qwen3-30b-a3b/lora_sft.yaml", "ddp"),
+                                              ("qwen3-30b-a3b/full_sft.yaml", "zero3")])
+def test_moe_recipes_train_like_one_process_under_the_other_strategies(recipe, strategy, runs, tmp_path,
+                                                                        tiny_model_dir):
+    """With the preflights above, every strategy family meets a MoE model, full and LoRA: LoRA under DDP (here),
+    FSDP2 and ZeRO-3 (the Mixtral and Qwen3 LoRA preflights); full under FSDP2 (the Qwen3 full preflight) and
+    ZeRO-3 (here, the experts' fused weights partitioned and gathered). 2 processes, one launch, against the
+    same one-process run."""
+    single, work = moe_single_process(runs, recipe, tiny_model_dir)
+    spec = load_recipe(str(REPO / "recipes" / recipe))
+    overrides, _ = cpu_overrides(spec, work / "model", tmp_path / "run", 4)
+    assert_ok(launch(strategy, REPO / "recipes" / recipe, overrides=[*QUIET, *overrides]))
+    assert_moe_runs_equal(recipe, tmp_path / "run", single)
 
 
 def test_shrunk_model_keeps_the_architecture(tokenizer):

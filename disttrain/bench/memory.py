@@ -1,18 +1,24 @@
-"""`make bench-memory`: how much memory the loss takes, plain (full logits) vs chunked, per strategy.
+"""`make bench-memory`: how much memory the loss takes, plain (full logits) vs chunked vs TRL's fused head, per
+strategy.
 
     python -m disttrain.bench.memory                                   # CPU defaults below
     python -m disttrain.bench.memory --strategies single_gpu,fsdp --vocab 151936 --seq 4096 --nproc 8
+    python -m disttrain.bench.memory --engines plain,chunked         # without TRL's engine
 
 A Llama-shaped model with a large vocabulary (default 151,936, Qwen2.5's) and a small body (hidden 64,
-2 layers), so the loss dominates, is made locally. For each strategy, three launches of train.py:
+2 layers), so the loss dominates, is made locally. For each strategy, one launch of train.py per engine
+(`--engines`) and a floor:
 - plain:   training.loss_impl=plain, rows of `--seq` tokens that are all targets;
 - chunked: training.loss_impl=chunked, the same rows;
+- trl:     training.loss_impl=trl (TRL's fused LM head), the same rows;
 - floor:   chunked on rows of the same length with one target each (the loss sees one token): everything
            the step holds except the loss.
-The loss's share of peak memory = peak - floor; the reduction = plain share / chunked share. Peak memory
-per rank, max over ranks: `torch.cuda.max_memory_allocated` on GPUs; on CPUs the process's peak RSS
+The loss's share of peak memory = peak - floor; the reduction = plain share / the engine's share. Peak
+memory per rank, max over ranks: `torch.cuda.max_memory_allocated` on GPUs; on CPUs the process's peak RSS
 (ru_maxrss), which also holds what the allocator caches — hence the floor run, measured the same way.
-Step time: median after warm-up, chunked / plain as a ratio from the same invocation.
+Step time: median after warm-up, engine / plain as a ratio from the same invocation. The engines train the
+same model on the same rows, so their logged losses must agree: the largest relative difference from
+plain's, over every logged step, is reported too.
 Writes <out>/results.json and results.md (default bench/memory).
 """
 
@@ -28,9 +34,9 @@ from pathlib import Path
 import yaml
 
 from disttrain.bench.strategies import run_strategy, summarize
-from disttrain.errors import exit_on_user_error
+from disttrain.errors import DisttrainError, exit_on_user_error
 
-RUNS = ("plain", "chunked", "floor")
+ENGINES = ("plain", "chunked", "trl")  # training.loss_impl values; plain is the reference
 
 
 def build(out: Path, vocab: int, seq: int, rows: int) -> tuple[Path, Path, Path]:
@@ -82,25 +88,35 @@ def measure(args) -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     model_dir, text, chat = build(out, args.vocab, args.seq, rows=args.steps * args.nproc * 2)
+    engines = args.engines.split(",")
+    if engines[0] != "plain" or not set(engines) <= set(ENGINES):
+        raise DisttrainError(f"bench-memory: --engines {args.engines}: plain first (the reference), then any of "
+                             f"{', '.join(ENGINES[1:])}")
     rows = []
     for strategy in args.strategies.split(","):
         nproc = 1 if strategy.startswith("single") else args.nproc
-        result = {"strategy": strategy, "processes": nproc}
-        for run in RUNS:
+        result = {"strategy": strategy, "processes": nproc, "engines": engines}
+        losses = {}
+        for run in (*engines, "floor"):
             data, fmt = (chat, "chat") if run == "floor" else (text, "text")
             path = out / f"{strategy}_{run}.yaml"
-            path.write_text(yaml.safe_dump(recipe(model_dir, data, fmt, args.seq, "plain" if run == "plain" else
-                                                  "chunked")))
+            path.write_text(yaml.safe_dump(recipe(model_dir, data, fmt, args.seq, "chunked" if run == "floor" else
+                                                  run)))
             records = run_strategy(str(path), strategy, nproc, args.steps, out / f"{strategy}_{run}", [],
                                    timeout_s=args.timeout)
             summary = summarize(strategy, records, args.warmup)
             result[f"{run}_peak_gb"] = summary["peak_mem_gb"]
             result[f"{run}_step_s"] = summary["step_time_p50_s"]
+            losses[run] = [r["loss"] for r in records]
         plain = result["plain_peak_gb"] - result["floor_peak_gb"]
-        chunked = result["chunked_peak_gb"] - result["floor_peak_gb"]
-        result.update(plain_loss_gb=plain, chunked_loss_gb=chunked,
-                      reduction=plain / chunked if chunked > 0 else float("inf"),
-                      step_time_ratio=result["chunked_step_s"] / result["plain_step_s"])
+        for engine in engines:
+            share = result[f"{engine}_peak_gb"] - result["floor_peak_gb"]
+            result[f"{engine}_loss_gb"] = share
+            if engine != "plain":
+                result[f"{engine}_reduction"] = plain / share if share > 0 else float("inf")
+                result[f"{engine}_step_time_ratio"] = result[f"{engine}_step_s"] / result["plain_step_s"]
+                result[f"{engine}_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in
+                                                        zip(losses[engine], losses["plain"], strict=True))
         rows.append(result)
         write(out, args, rows)  # after every strategy: a cut run keeps what finished
     return rows
@@ -117,13 +133,18 @@ def write(out: Path, args, rows: list[dict]) -> None:
     lines = [f"# Loss memory: vocab {args.vocab:,}, sequence {args.seq}, micro-batch 1", "",
              f"{device}, torch {meta['torch']}; peak memory per rank = {meta['memory']}, max over ranks; "
              f"loss share = peak - floor (the same step with one target token); step time = median after "
-             f"{args.warmup} warm-up steps", "",
-             "| strategy | peak plain (GB) | peak chunked (GB) | floor (GB) | loss plain (GB) | loss chunked (GB) "
-             "| reduction | step time chunked/plain |", "|---|---|---|---|---|---|---|---|"]
+             f"{args.warmup} warm-up steps; loss diff = largest relative difference from plain's logged loss", "",
+             "| strategy | engine | peak (GB) | floor (GB) | loss share (GB) | reduction vs plain | step time (s) "
+             "| step time / plain | loss diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['strategy']} | {r['plain_peak_gb']:.2f} | {r['chunked_peak_gb']:.2f} | "
-                     f"{r['floor_peak_gb']:.2f} | {r['plain_loss_gb']:.2f} | {r['chunked_loss_gb']:.2f} | "
-                     f"{r['reduction']:.1f}x | {r['step_time_ratio']:.2f} |")
+        for engine in r["engines"]:
+            reference = engine == "plain"
+            lines.append(f"| {r['strategy']} | {engine} | {r[f'{engine}_peak_gb']:.2f} | {r['floor_peak_gb']:.2f} | "
+                         f"{r[f'{engine}_loss_gb']:.2f} | "
+                         f"{'-' if reference else format(r[f'{engine}_reduction'], '.1f') + 'x'} | "
+                         f"{r[f'{engine}_step_s']:.3f} | "
+                         f"{'-' if reference else format(r[f'{engine}_step_time_ratio'], '.2f')} | "
+                         f"{'-' if reference else format(r[f'{engine}_loss_rel_diff'], '.1e')} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
@@ -131,6 +152,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default="single_gpu,ddp,fsdp,zero3",
                         help="accelerate configs (single_gpu runs one process)")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="training.loss_impl values to compare, plain (the reference) first")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=6)

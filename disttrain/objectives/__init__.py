@@ -5,6 +5,7 @@ preparation before the first update, behind one interface (base.py):
     dpo.py           preference tuning: DPO, IPO, hinge, SimPO, ORPO
     token_loss.py    the token loss both use: lm_head -> cross-entropy a chunk at a time, no full logits, the
                      model family's own transforms and MoE router loss, the start-up self-check
+    fused_head.py    training.loss_impl: trl -- TRL's fused LM head as the engine instead (for comparison)
     preference.py    the pair losses, their chunked gradient, the reference (precomputed / live / adapters off)
 """
 

@@ -17,7 +17,8 @@ The loss and its gradients equal transformers' own (plain) loss: tests/test_loss
 scaling and softcapping, with the model's own copy neutralised while the head runs; the MoE load-balancing
 loss from the forward's router logits), tests/test_loss_families.py; and every run checks, on its first
 micro-batch, that the chunked loss equals the model's own (TokenLoss.check_against_model), else stops in
-one line. training.loss_impl: plain keeps transformers' path.
+one line. training.loss_impl: plain keeps transformers' path; trl runs TRL's fused LM head instead (fused_head.py),
+kept for comparison on the project's bars (docs/benchmarks.md, "Loss engines").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.objectives import fused_head
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
 
@@ -265,21 +267,23 @@ def output_projection(model) -> torch.nn.Module:
 
 class TokenLoss:
     """How the loop gets a micro-batch's loss. `chunked`: lm_head's forward returns per-token losses while
-    targets are set on it (install() before accelerator.prepare); `plain`: transformers' own loss from the
-    full logits."""
+    targets are set on it (installed before accelerator.prepare); `plain`: transformers' own loss from the
+    full logits; `trl`: TRL's fused LM head (fused_head.py)."""
 
     checks_against_model = True  # the start-up self-check (check_against_model) applies to this objective
 
     def __init__(self, model, impl: str = "chunked"):
         self.impl = impl
         self.head = None
-        self.checked = impl != "chunked"
+        self.checked = impl == "plain"
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", None)
         # what the model adds to the token loss: the MoE load-balancing loss (transformers' own, from the
         # router logits the forward returns, with its attention-mask handling), weighted by its coefficient
         self.router_aux_coef = router_aux_coefficient(config) if config is not None else 0.0
         self.family = FamilyTransform(base)
+        if impl == "trl":
+            fused_head.install(model)  # TRL applies the family's transforms and router loss itself
         if impl == "chunked":
             self.head = output_projection(model)
             self.head._disttrain_labels = None
@@ -347,6 +351,8 @@ class TokenLoss:
         if self.impl == "plain":
             inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
             return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+        if self.impl == "trl":
+            return fused_head.loss(model, self._inputs(batch), batch["labels"], num_items_in_batch)
         out = self._chunked_output(model, batch)
         return self._with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
 
@@ -372,28 +378,32 @@ class TokenLoss:
         try:
             with torch.compiler.set_stance("force_eager"):  # compiled regions (training.compile) must not
                 targets = count_targets(part)                # compile again for this one-off slice
-                out = self._chunked_output(model, part)
-                ours = out.logits[:, :-1].sum() / targets.clamp(min=1)
-                aux = getattr(out, "aux_loss", None)
-                if self.router_aux_coef and aux is not None:
-                    ours = ours + self.router_aux_coef * aux.to(ours.device)
+                ours = self._mean_loss(model, part, targets)
                 inputs = {k: v for k, v in part.items() if k not in BOOKKEEPING_KEYS}
                 theirs = model(**inputs, use_cache=False).loss.float()
         finally:
             model.train(was_training)
-        low_precision = torch.is_autocast_enabled(ours.device.type) or self.head.weight.element_size() < 4
+        weights = self.head.weight if self.head is not None else next(model.parameters())  # the model is wrapped
+        low_precision = torch.is_autocast_enabled(ours.device.type) or weights.element_size() < 4
         tolerance = 1e-2 if low_precision else 1e-4
         wrong = bool(targets > 0) and not torch.isclose(ours, theirs, rtol=tolerance, atol=tolerance)
         flag = accelerator.reduce(torch.tensor(float(wrong), device=ours.device), reduction="sum")
         if float(flag) > 0:
             from disttrain.errors import DisttrainError
 
-            seen = (f"the chunked loss is {float(ours):.5f} where this model's own loss is {float(theirs):.5f}"
-                    if wrong else "another rank found the chunked loss different from this model's own loss")
+            seen = (f"the {self.impl} loss is {float(ours):.5f} where this model's own loss is {float(theirs):.5f}"
+                    if wrong else f"another rank found the {self.impl} loss different from this model's own loss")
             raise DisttrainError(
-                f"training.loss_impl=chunked: on the first micro-batch {seen}: the model transforms its logits or "
-                "adds a loss that the chunked path does not apply; set training.loss_impl=plain (transformers' "
-                "loss from full logits)")
+                f"training.loss_impl={self.impl}: on the first micro-batch {seen}: the model transforms its logits "
+                f"or adds a loss that the {self.impl} path does not apply; set training.loss_impl=plain "
+                "(transformers' loss from full logits)")
+
+    def _mean_loss(self, model, part: dict, targets: torch.Tensor) -> torch.Tensor:
+        """This engine's loss of a micro-batch, averaged over its target tokens, with what the model adds."""
+        if self.impl == "trl":
+            return fused_head.loss(model, self._inputs(part), part["labels"]).float()
+        out = self._chunked_output(model, part)
+        return self._with_router_loss(out.logits[:, :-1].sum() / targets.clamp(min=1), out)
 
     @torch.no_grad()
     def token_losses(self, model, batch: dict) -> torch.Tensor:
@@ -402,6 +412,8 @@ class TokenLoss:
             logits = model(**self._inputs(batch), use_cache=False).logits.float()
             return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:],
                                                      ignore_index=IGNORE_INDEX, reduction="none")
+        if self.impl == "trl":
+            return fused_head.token_losses(model, self._inputs(batch), batch["labels"])
         return self._chunked(model, batch)[:, :-1]
 
 

@@ -146,10 +146,11 @@ class TrainingSection(_Section):
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
                                      "the schedule still runs to the full length on resume")
-    loss_impl: Literal["chunked", "plain"] = Field("chunked", description="chunked: the loss from the final hidden "
-                                                   "states a chunk of target tokens at a time, in fp32, never "
-                                                   "holding full-vocabulary logits; plain: transformers' loss "
-                                                   "from the full logits")
+    loss_impl: Literal["chunked", "plain", "trl"] = Field("chunked", description="chunked: the loss from the final "
+                                                          "hidden states a chunk of target tokens at a time, in fp32, "
+                                                          "never holding full-vocabulary logits; plain: transformers' "
+                                                          "loss from the full logits; trl: TRL's fused LM head "
+                                                          "(docs/benchmarks.md, 'Loss engines')")
     offload_activations: bool = Field(False, description="keep the activations saved for the backward pass in "
                                       "(pinned) host memory instead of GPU memory (torch.autograd.graph."
                                       "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
@@ -317,7 +318,7 @@ class Recipe(_Section):
                              "micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
         if self.training.loss_impl != "chunked":
             raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
-                             "training.loss_impl: plain")
+                             f"training.loss_impl: {self.training.loss_impl}")
         pref = self.preference
         if pref.reference_free() and pref.reference not in ("auto", "none"):
             raise ValueError(f"preference.loss: {pref.loss} is reference-free: set preference.reference: auto or none")

@@ -119,9 +119,12 @@ def activations_gb(w: Workload) -> float | None:
 
 def logits_bytes(w: Workload, tokens: int) -> float:
     """plain: bf16 logits + their fp32 copy + its gradient for every token (10 bytes x vocab); chunked
-    (disttrain/objectives/token_loss.py): one chunk's fp32 logits and their gradient, whatever the sequence."""
+    (disttrain/objectives/token_loss.py): one chunk's fp32 logits and their gradient, whatever the sequence;
+    trl (TRL's fused head): its one [4096 tokens x 32768 vocab] tile in bf16, reused for every tile."""
     if w.loss_impl == "plain":
         return 10.0 * tokens * w.shape.vocab
+    if w.loss_impl == "trl":
+        return 2.0 * min(4096, tokens) * min(32768, w.shape.vocab)
     from disttrain.objectives.token_loss import CHUNK_LOGITS
 
     return 8.0 * min(CHUNK_LOGITS, tokens * w.shape.vocab)

@@ -200,14 +200,15 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
     half = max(1, steps // 2)
 
     # save: stop half-way, as a preempted job would, leaving a checkpoint
-    first = run_logged(base + [f"training.stop_at_step={half}", "output.checkpoint_every=1"], work_dir / "save.log")
+    first = run_logged(base + [f"training.stop_at_step={half}", f"output.checkpoint_every={half}"],
+                       work_dir / "save.log")
     checkpoint = run_dir / "checkpoints" / f"step-{half:08d}"
     if not report.add("save", first.returncode == 0 and checkpoint.is_dir(),
                       f"{nproc} processes under {strategy}, stopped at step {half}: {checkpoint.name} written"
                       if first.returncode == 0 else _failure(first, work_dir / "save.log")):
         return report
     # resume: the same command continues from that checkpoint to the end, then exports
-    second = run_logged(base + ["output.checkpoint_every=1"], work_dir / "resume.log")
+    second = run_logged(base + [f"output.checkpoint_every={half}"], work_dir / "resume.log")
     if second.returncode != 0:
         report.add("resume", False, _failure(second, work_dir / "resume.log"))
         return report

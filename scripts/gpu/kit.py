@@ -62,6 +62,7 @@ KIT = [
     Part("deepspeed", "build", "ZeRO items (a source archive on PyPI: built here, ops compile just in time)"),
     Part("hjson", "pure", "deepspeed"),
     Part("bitsandbytes", "slim", "QLoRA and adamw_8bit items"),
+    Part("trl", "pure", "loss_memory item: TRL's fused LM head (training.loss_impl: trl) beside the chunked loss"),
 ]
 
 # The GPU image's Python packages (device notes, read 2026-11-17): carried packages need nothing else.
