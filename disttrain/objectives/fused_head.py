@@ -7,7 +7,7 @@ runs the backbone, then projects the hidden states through lm_head in [4096 toke
 what the family adds itself (softcapping and logit scales read through the text config, the MoE
 load-balancing loss with transformers' function). Nothing here re-implements it; this module only calls it
 the way TokenLoss calls its other engines. Why the chunked loss stays the default: docs/benchmarks.md
-("Loss engines", measured by `make bench-loss`).
+("Loss engines"; memory and step time per strategy by `make bench-memory`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def install(model) -> None:
     """Patch the model's forward with TRL's fused head (on the model under a peft wrapper: peft's forward
     passes `fused_lm_head` and `num_items_in_batch` through to it)."""
     try:
-        from trl.trainer.utils import add_fused_lm_head  # imports TRL's trainers (~3 CPU-s): only when chosen
+        from trl.trainer.utils import add_fused_lm_head  # imports TRL's trainer utilities: only when chosen
     except ImportError as error:
         raise DisttrainError(f"training.loss_impl: trl needs TRL ({error}): pip install 'trl>=1.16,<1.17' "
                              "(the project's [trl] extra), or use training.loss_impl: chunked") from None
