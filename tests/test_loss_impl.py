@@ -11,7 +11,7 @@ import tests_support
 
 from disttrain.objectives import token_loss as loss_module
 from disttrain.recipe.schema import LoraSection, ModelSection
-from disttrain.data import Collator, count_targets, pack_rows
+from disttrain.data import Collator, count_targets, pack_rows, with_shift_labels
 from disttrain.objectives.token_loss import TokenLoss
 from disttrain.model.loading import load_model
 
@@ -79,3 +79,44 @@ def test_no_target_in_a_micro_batch_still_gives_every_parameter_a_gradient(tiny_
     loss.backward()
     assert float(loss) == 0.0
     assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "flattened"])
+@pytest.mark.parametrize("engine", ["chunked", "plain", "trl"])
+def test_pre_shifted_labels_give_the_same_loss_gradients_and_evaluation(engine, layout, tiny_model_dir, tokenizer):
+    """A batch that carries `shift_labels` (position t's target, set before a sequence is split across ranks
+    under context parallelism) trains and evaluates exactly like the same batch shifted inside the loss."""
+    model = load_model(ModelSection(name_or_path=str(tiny_model_dir), dtype="float32"), None)
+    batch = batches(tokenizer)[layout]
+    shifted = with_shift_labels(batch)
+    assert int(count_targets(shifted)) == int(count_targets(batch)) > 0
+    models = copy.deepcopy(model), copy.deepcopy(model)
+    inside = tests_support.loss_and_grads(models[0], engine, batch)
+    before = tests_support.loss_and_grads(models[1], engine, shifted)
+    tests_support.assert_same_loss_and_grads(before, inside, rtol=1e-6, atol=1e-7)
+    assert before[2].shape == shifted["shift_labels"].shape  # one loss per position
+    torch.testing.assert_close(before[2][:, :-1], inside[2], rtol=1e-6, atol=1e-7)
+    assert float(before[2][:, -1].abs().sum()) == 0.0
+    torch.testing.assert_close(before[3].eval_rows(models[1], shifted), inside[3].eval_rows(models[0], batch))
+
+
+def test_a_sequence_split_after_shifting_keeps_every_target(tiny_model_dir, tokenizer):
+    """Context parallelism splits each sequence across ranks. Shifted before the split, the shards' losses
+    add up to the whole sequence's; shifted inside each shard (the control), the target at every shard
+    boundary is lost -- exactly that token's loss is missing."""
+    model = load_model(ModelSection(name_or_path=str(tiny_model_dir), dtype="float32"), None)
+    batch = batches(tokenizer)["unpacked"]
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    head, labels = model.lm_head, batch["labels"]
+    shift = with_shift_labels(batch)["shift_labels"]
+    whole = loss_module.chunked_loss_sum(hidden, head, labels)
+    cuts = [0, 3, 5, labels.shape[1]]  # three shards of unequal length
+    shards = list(zip(cuts, cuts[1:]))
+    before = sum(loss_module.chunked_loss_sum(hidden[:, a:b], head, shift[:, a:b], shifted=True) for a, b in shards)
+    after = sum(loss_module.chunked_loss_sum(hidden[:, a:b], head, labels[:, a:b]) for a, b in shards)
+    torch.testing.assert_close(before, whole, rtol=1e-6, atol=1e-6)
+    per_token = loss_module.chunked_token_losses(hidden, head, labels)
+    lost = sum(per_token[:, b - 1].sum() for _, b in shards[:-1])  # position b-1 predicts labels[:, b]
+    assert float(lost) > 0
+    torch.testing.assert_close(after, whole - lost, rtol=1e-6, atol=1e-6)

@@ -22,6 +22,9 @@ from disttrain.data.templates import IGNORE_INDEX
 LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop before the forward pass
 SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
 BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY)
+# position t's target, already shifted (transformers' name): set before a sequence is split across ranks
+# (context parallelism), where shifting inside each shard would lose the target at every shard boundary
+SHIFT_LABELS_KEY = "shift_labels"
 
 
 def flattens_packed_rows(attn_implementation: str) -> bool:
@@ -101,9 +104,18 @@ def _sum_of_squared_segments(position_ids) -> int:
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Tokens that contribute to the causal-LM loss (labels are shifted by one inside the model).
-    A tensor on the batch's device, so counting never forces a host sync."""
+    """Tokens that contribute to the causal-LM loss (labels are shifted by one inside the model, or came
+    shifted as `shift_labels`). A tensor on the batch's device, so counting never forces a host sync."""
+    if SHIFT_LABELS_KEY in batch:
+        return (batch[SHIFT_LABELS_KEY] != IGNORE_INDEX).sum()
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def with_shift_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with `shift_labels`: position t's target (labels[:, t + 1]; none at the last position)."""
+    labels = batch["labels"]
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    return {**batch, SHIFT_LABELS_KEY: shifted}
 
 
 def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):

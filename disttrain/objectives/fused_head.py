@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from disttrain.data import SHIFT_LABELS_KEY
 from disttrain.errors import DisttrainError
 
 
@@ -28,17 +29,20 @@ def install(model) -> None:
     add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
-def _output(model, inputs: dict, labels: torch.Tensor, num_items_in_batch=None):
-    return model(**inputs, labels=labels, fused_lm_head=True, num_items_in_batch=num_items_in_batch)
+def _output(model, inputs: dict, batch: dict, num_items_in_batch=None):
+    # pre-shifted targets go to TRL as they are (its `shift_labels`); otherwise it shifts `labels` itself
+    return model(**inputs, labels=batch["labels"], shift_labels=batch.get(SHIFT_LABELS_KEY), fused_lm_head=True,
+                 num_items_in_batch=num_items_in_batch)
 
 
-def loss(model, inputs: dict, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """Sum of the target tokens' losses / num_items_in_batch (their count when None), plus the MoE
+def loss(model, inputs: dict, batch: dict, num_items_in_batch=None) -> torch.Tensor:
+    """Sum of the batch's target-token losses / num_items_in_batch (their count when None), plus the MoE
     load-balancing loss x router_aux_loss_coef when the model returns router logits (TRL adds it)."""
-    return _output(model, inputs, labels, num_items_in_batch).loss
+    return _output(model, inputs, batch, num_items_in_batch).loss
 
 
 @torch.no_grad()
-def token_losses(model, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
-    """[batch, seq - 1] fp32 losses of predicting labels[:, t + 1] at position t (0 where there is no target)."""
-    return -_output(model, inputs, labels).log_probs.float()
+def token_losses(model, inputs: dict, batch: dict) -> torch.Tensor:
+    """fp32 per-token losses (0 where there is no target): [batch, seq - 1] from `labels`, [batch, seq] from
+    `shift_labels`."""
+    return -_output(model, inputs, batch).log_probs.float()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, count_targets
+from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, count_targets
 from disttrain.objectives import fused_head
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
@@ -135,8 +135,11 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, compute_dtype,
     return transform.apply(logits) if transform is not None else logits
 
 
-def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Position t is trained to predict labels[:, t + 1]; the last position predicts nothing."""
+def _targets(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """Position t is trained to predict labels[:, t + 1]; the last position predicts nothing. `shifted`: the
+    labels are already position t's targets (`shift_labels`, shifted before the sequence was split)."""
+    if shifted:
+        return labels.reshape(-1)
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
 
 
@@ -215,11 +218,12 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                     row_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum over target tokens of the cross-entropy of predicting labels[:, t + 1] at position t, from the
-    final hidden states, without full-vocabulary logits (0-dim, fp32, differentiable). `row_weights`: each
-    row's tokens weighted by its value (a sequence-level objective's gradient, see preference.py)."""
-    targets = _shifted_targets(labels)
+                     row_weights: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
+    """Sum over target tokens of the cross-entropy of predicting labels[:, t + 1] at position t (labels[:, t]
+    when `shifted`), from the final hidden states, without full-vocabulary logits (0-dim, fp32,
+    differentiable). `row_weights`: each row's tokens weighted by its value (a sequence-level objective's
+    gradient, see preference.py)."""
+    targets = _targets(labels, shifted)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     compute_dtype = _compute_dtype(hidden, head)
     token_weights = None
@@ -238,10 +242,11 @@ def _transform_of(head) -> LogitTransform | None:
 
 
 @torch.no_grad()
-def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] fp32 losses of predicting labels[:, t + 1] at position t (0 where there is no target), for
-    evaluation: chunk by chunk, no gradients."""
-    targets = _shifted_targets(labels)
+def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
+                         shifted: bool = False) -> torch.Tensor:
+    """[batch, seq] fp32 losses of predicting labels[:, t + 1] at position t (labels[:, t] when `shifted`; 0
+    where there is no target), for evaluation: chunk by chunk, no gradients."""
+    targets = _targets(labels, shifted)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     wanted = targets.index_select(0, positions)
@@ -287,6 +292,7 @@ class TokenLoss:
         if impl == "chunked":
             self.head = output_projection(model)
             self.head._disttrain_labels = None
+            self.head._disttrain_shifted = False  # the labels set are position t's targets already
             self.head._disttrain_transform = self.family.transform
             plain_forward = self.head.forward
 
@@ -296,7 +302,7 @@ class TokenLoss:
                     return plain_forward(hidden)
                 if torch.is_grad_enabled():  # training: the loss sum (with its gradients)
                     return self._training_head(hidden, labels)
-                return chunked_token_losses(hidden, self.head, labels)  # evaluation: per-token losses
+                return chunked_token_losses(hidden, self.head, labels, self.head._disttrain_shifted)  # evaluation
 
             # never compiled: regional compilation (accelerate) compiles lm_head whole, and Dynamo then
             # recompiles it for every new sequence length (the labels' shape, the targets' count) until its
@@ -307,7 +313,7 @@ class TokenLoss:
 
     def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What lm_head returns in training: the micro-batch's summed loss, differentiable."""
-        return chunked_loss_sum(hidden, self.head, labels)
+        return chunked_loss_sum(hidden, self.head, labels, shifted=self.head._disttrain_shifted)
 
     def units(self, batch: dict) -> torch.Tensor:
         """How many items the micro-batch's loss sums over (target tokens; pairs for preference tuning)."""
@@ -319,7 +325,8 @@ class TokenLoss:
 
     def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
         """[dataset rows, k] sums for evaluation of eval set `split`: (loss sum, target tokens) per row."""
-        return _per_row_sums(self.token_losses(model, batch), batch["labels"][:, 1:], batch)
+        targets = batch[SHIFT_LABELS_KEY] if SHIFT_LABELS_KEY in batch else batch["labels"][:, 1:]
+        return _per_row_sums(self.token_losses(model, batch), targets, batch)
 
     def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
@@ -332,15 +339,17 @@ class TokenLoss:
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
-        return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k != "labels"}
+        return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", SHIFT_LABELS_KEY)}
 
     def _chunked_output(self, model, batch: dict):
-        self.head._disttrain_labels = batch["labels"]
+        shifted = SHIFT_LABELS_KEY in batch
+        self.head._disttrain_labels = batch[SHIFT_LABELS_KEY] if shifted else batch["labels"]
+        self.head._disttrain_shifted = shifted
         try:
             with self.family.neutralised():  # the head applies the family's transform itself
                 return model(**self._inputs(batch), use_cache=False)  # .logits: losses, see forward above
         finally:
-            self.head._disttrain_labels = None
+            self.head._disttrain_labels, self.head._disttrain_shifted = None, False
 
     def _chunked(self, model, batch: dict) -> torch.Tensor:
         return self._chunked_output(model, batch).logits
@@ -352,7 +361,7 @@ class TokenLoss:
             inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
             return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
         if self.impl == "trl":
-            return fused_head.loss(model, self._inputs(batch), batch["labels"], num_items_in_batch)
+            return fused_head.loss(model, self._inputs(batch), batch, num_items_in_batch)
         out = self._chunked_output(model, batch)
         return self._with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
 
@@ -401,20 +410,24 @@ class TokenLoss:
     def _mean_loss(self, model, part: dict, targets: torch.Tensor) -> torch.Tensor:
         """This engine's loss of a micro-batch, averaged over its target tokens, with what the model adds."""
         if self.impl == "trl":
-            return fused_head.loss(model, self._inputs(part), part["labels"]).float()
+            return fused_head.loss(model, self._inputs(part), part).float()
         out = self._chunked_output(model, part)
-        return self._with_router_loss(out.logits[:, :-1].sum() / targets.clamp(min=1), out)
+        return self._with_router_loss(out.logits.sum() / targets.clamp(min=1), out)
 
     @torch.no_grad()
     def token_losses(self, model, batch: dict) -> torch.Tensor:
-        """[batch, seq - 1] fp32 per-token losses (0 where there is no target), for evaluation."""
+        """[batch, seq - 1] fp32 per-token losses (0 where there is no target), for evaluation; [batch, seq]
+        when the batch carries `shift_labels` (one per position)."""
+        shifted = SHIFT_LABELS_KEY in batch
         if self.impl == "plain":
             logits = model(**self._inputs(batch), use_cache=False).logits.float()
-            return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:],
-                                                     ignore_index=IGNORE_INDEX, reduction="none")
+            logits, targets = (logits, batch[SHIFT_LABELS_KEY]) if shifted else (logits[:, :-1], batch["labels"][:, 1:])
+            return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
+                                                     reduction="none")
         if self.impl == "trl":
-            return fused_head.token_losses(model, self._inputs(batch), batch["labels"])
-        return self._chunked(model, batch)[:, :-1]
+            return fused_head.token_losses(model, self._inputs(batch), batch)
+        per_token = self._chunked(model, batch)
+        return per_token if shifted else per_token[:, :-1]
 
 
 SELF_CHECK_TOKENS = 256  # tokens of the self-check's slice: full logits of these only
@@ -425,7 +438,7 @@ def _one_sequence(batch: dict, max_tokens: int) -> dict:
     micro-batch's first example, without its boundaries)."""
     if "cu_seq_lens_q" in batch:
         end = min(int(batch["cu_seq_lens_q"][1]), max_tokens)
-        keys = ("input_ids", "labels", "position_ids")
+        keys = ("input_ids", "labels", "position_ids") + ((SHIFT_LABELS_KEY,) if SHIFT_LABELS_KEY in batch else ())
         return {k: batch[k][:, :end] for k in keys} | {LENGTHS_KEY: batch[LENGTHS_KEY].new_tensor([end])}
     end = min(int(batch[LENGTHS_KEY][0]), max_tokens)
     part = {k: v[:1, :end] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
@@ -439,6 +452,8 @@ def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) ->
     if per_token.shape[0] == batch[LENGTHS_KEY].shape[0]:
         return torch.stack([per_token.sum(-1), targets.sum(-1)], dim=-1)
     lengths = batch[LENGTHS_KEY]
-    row_of_label = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)[1:]
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    # position t's target is the next token of the same sequence (a boundary has none), so its row is t's
+    row_of_label = rows[-per_token.shape[1]:]
     sums = per_token.new_zeros(len(lengths), 2)
     return sums.index_add_(0, row_of_label, torch.stack([per_token[0], targets[0]], dim=-1))
