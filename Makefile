@@ -15,6 +15,8 @@ RECIPE      ?= recipes/tiny/sft.yaml
 STRATEGY    ?= ddp
 GPUS        ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 NODES       ?= 1
+# train-hsdp: replica groups (default one per node); the processes of each group shard the model
+HSDP_REPLICAS ?= $(NODES)
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
@@ -46,9 +48,11 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
 	$(if $(filter-out 0,$(MAX_RESTARTS)),--max_restarts $(MAX_RESTARTS) --rdzv_backend c10d) \
-	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE))
+	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE)) \
+	$(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) )))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-zero1 train-zero2 train-zero3 train-zero3-offload \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
 	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
@@ -60,6 +64,7 @@ help: ## list targets and variables
 	@echo "           NODES=$(NODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT)"
 	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
 	@echo "           MAX_RESTARTS=$(MAX_RESTARTS) (restart all workers after a failure, up to N times; they resume)"
+	@echo "           HSDP_REPLICAS=$(HSDP_REPLICAS) (train-hsdp: replica groups, default one per node; each sharded over GPUS x NODES / HSDP_REPLICAS processes)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
@@ -90,6 +95,9 @@ train-fsdp: tiny ## FSDP2 full shard
 
 train-fsdp-offload: tiny ## FSDP2 with parameters and optimizer states offloaded to CPU
 	$(call LAUNCH,fsdp_offload) train.py --recipe $(RECIPE) $(ARGS)
+
+train-hsdp: tiny ## FSDP2 sharded within HSDP_REPLICAS groups (default: one per node), replicated across them
+	$(call LAUNCH,hsdp) train.py --recipe $(RECIPE) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

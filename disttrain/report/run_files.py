@@ -101,7 +101,8 @@ def _preparation_per_rank(accelerator, train_report) -> list[dict]:
 RUN_FILE = "run.json"
 
 
-def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int) -> None:
+def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int,
+                 mesh: str | None = None) -> None:
     """The one-screen run summary, and the same facts in <output.dir>/run.json (for the report and card)."""
     import json
     import platform
@@ -120,13 +121,19 @@ def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: i
                  "processes": accelerator.num_processes, "device": device.type, "device_name": device_name,
                  "mixed_precision": t.mixed_precision, "params": total, "trainable_params": trainable,
                  "global_batch": global_batch, "total_steps": total_steps, "objective": t.objective,
-                 "torch": torch.__version__}
+                 "torch": torch.__version__, **({"mesh": mesh} if mesh else {})}
         (Path(recipe.output.dir) / RUN_FILE).write_text(json.dumps(facts, indent=1))
     accelerator.print(
-        f"run: strategy={strategy} distributed_type={accelerator.distributed_type.value} "
-        f"processes={accelerator.num_processes} device={accelerator.device} mixed_precision={t.mixed_precision} "
+        f"run: strategy={strategy}{f' mesh={mesh}' if mesh else ''} distributed_type="
+        f"{accelerator.distributed_type.value} processes={accelerator.num_processes} device={accelerator.device} "
+        f"mixed_precision={t.mixed_precision} "
         f"compile={'regional (inductor, dynamic shapes)' if t.compile else 'no'}\n"
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
         f"{accelerator.num_processes} procs) "
         f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} total_steps={total_steps}")
+    from disttrain.runtime.backends import fsdp_layout
+
+    layout = fsdp_layout(model)
+    if layout:  # FSDP2: which mesh the parameters live on (HSDP: replicated x sharded)
+        accelerator.print(f"run: FSDP2 parameters on the mesh {layout}")

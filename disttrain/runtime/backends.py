@@ -48,10 +48,24 @@ def zero_stage() -> int | None:
     return _deepspeed_zero()[0] if launcher_strategy() == "deepspeed" else None
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # accelerate's ParallelismConfig, in its order
+
+
+def mesh_sizes() -> dict[str, int] | None:
+    """The mesh `accelerate launch` set from a config's `parallelism_config:` block (or its flags), as
+    {dimension: size}; None for a one-dimensional launch."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    return {dim: int(os.environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
+
+
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, fsdp, fsdp_offload, zero1, zero2, zero3, zero3_offload."""
+    ddp, fsdp, fsdp_offload, hsdp, zero1, zero2, zero3, zero3_offload."""
     strategy = launcher_strategy()
+    mesh = mesh_sizes()
+    if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
+        return "hsdp"
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
         return f"zero{'' if stage is None else stage}{'_offload' if offload else ''}"
@@ -204,6 +218,20 @@ def shards_weights(accelerator) -> bool:
         return True
     plugin = accelerator.state.deepspeed_plugin
     return plugin is not None and plugin.zero_stage == 3
+
+
+def fsdp_layout(model) -> str | None:
+    """How FSDP2 laid the parameters out: the device mesh of the first sharded parameter and its placements
+    ("(dp_replicate=2, dp_shard_cp=2) as (Replicate(), Shard(dim=0))" under HSDP); None when nothing is a
+    DTensor (no FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
+            return f"({dims}) as ({', '.join(str(p) for p in param.placements)})"
+    return None
 
 
 def moe_block_classes(model) -> list[str]:

@@ -53,6 +53,7 @@ class RunShape:
     grad_accum: int
     streaming: bool = False  # per-rank stream positions: resumable only by the same number of ranks
     zero_stage: int | None = None  # DeepSpeed: another stage's optimizer/weight shards do not load
+    mesh: str | None = None  # HSDP's "dp_replicate=R,dp_shard=S"; None: one dimension
 
     @property
     def global_batch(self) -> int:
@@ -62,7 +63,7 @@ class RunShape:
     def of(cls, plan, training, streaming: bool) -> RunShape:
         """This launch's shape, from its parallel plan (runtime/plan.py) and the recipe's training section."""
         return cls(plan.processes, plan.checkpoint_strategy, training.micro_batch_size, training.grad_accum,
-                   streaming, plan.zero_stage)
+                   streaming, plan.zero_stage, plan.mesh)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -256,6 +257,10 @@ def check_fresh_start(output_dir: str | Path, resume: str) -> None:
                               f"delete {root}, or continue the earlier run with output.resume=auto")
 
 
+def _mesh_name(shape: RunShape) -> str:
+    return f"the mesh {shape.mesh}" if shape.mesh else "one dimension (no parallelism_config)"
+
+
 def check_shape(checkpoint: Path, current: RunShape) -> dict:
     """Returns the saved trainer state; raises one line when the checkpoint cannot continue this run."""
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
@@ -283,6 +288,10 @@ def check_shape(checkpoint: Path, current: RunShape) -> dict:
                               f"that run with accelerate_configs/zero{saved.zero_stage}.yaml, or train under "
                               f"ZeRO-{current.zero_stage} in a new directory (output.dir={run_dir}-zero"
                               f"{current.zero_stage}, or put {{strategy}} in output.dir as the shipped recipes do)")
+    if saved.mesh != current.mesh:
+        raise CheckpointError(f"checkpoint {checkpoint} was written on {_mesh_name(saved)}, this run is on "
+                              f"{_mesh_name(current)}: resume it on the mesh it was written on (the same "
+                              "parallelism_config sizes), or train on this mesh in a new output.dir")
     if saved.world_size != current.world_size and current.strategy == "deepspeed":
         # DeepSpeed copies its conversion script next to the tag dir (accelerate's tag: pytorch_model/)
         script = next(iter(sorted(checkpoint.rglob("zero_to_fp32.py"))), None)

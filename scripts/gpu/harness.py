@@ -161,15 +161,15 @@ def recipe(ctx: Ctx, run_dir: Path, **sections) -> dict:
 
 
 def train(ctx: Ctx, label: str, config: str, tree: dict, overrides: tuple[str, ...] = (),
-          env: dict | None = None) -> tuple[subprocess.CompletedProcess, Path]:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes 1 train.py` with
-    the recipe `tree` (written next to the run); Fail with the error line when it does not exit 0."""
+          env: dict | None = None, nproc: int = 1) -> tuple[subprocess.CompletedProcess, Path]:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes <nproc> train.py`
+    with the recipe `tree` (written next to the run); Fail with the error line when it does not exit 0."""
     import yaml
 
     ctx.item_dir.mkdir(parents=True, exist_ok=True)
     path = ctx.item_dir / f"{label}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    cmd = launch_command(config, 1, "train.py", "--recipe", str(path), *overrides)
+    cmd = launch_command(config, nproc, "train.py", "--recipe", str(path), *overrides)
     proc, log = run_cmd(ctx, label, cmd, env)
     if proc.returncode != 0:
         raise Fail(f"{label} ({config}) exit {proc.returncode}: {error_line(proc)}", log)

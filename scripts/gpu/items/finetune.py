@@ -6,10 +6,15 @@ from __future__ import annotations
 from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read_metrics, recipe, \
     require_finite_losses, train
 
-def full_finetune(ctx: Ctx, config: str, streaming: bool = False) -> tuple[str, str]:
+def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1) -> tuple[str, str]:
     """Uninterrupted vs a new launch resumed from the uninterrupted run's step-N/2 checkpoint: the same
     per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
-    batches to the GPU itself; each rank's position from the checkpoint)."""
+    batches to the GPU itself; each rank's position from the checkpoint). `nproc`: processes (one GPU each);
+    a machine with fewer GPUs SKIPs the item (HSDP's 2 x 2 mesh needs 4)."""
+    import torch
+
+    if nproc > 1 and torch.cuda.device_count() < nproc:
+        raise Skip(f"needs {nproc} GPUs ({config}); this machine has {torch.cuda.device_count()}")
     if config.startswith("zero"):
         ok, why = ctx.importable("deepspeed")
         if not ok:
@@ -18,11 +23,11 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False) -> tuple[str, 
     ckpt = {"checkpoint_every": stop, "keep_last": 2}
     data = {"streaming": True} if streaming else {}
     a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
-    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data))
+    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data), nproc=nproc)
     ref = require_finite_losses(a, n, log_a)
     saved = a / "checkpoints" / f"step-{stop:08d}"
     second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data),
-                          (f"output.resume={saved}",))
+                          (f"output.resume={saved}",), nproc=nproc)
     if f"resumed from {saved} at step {stop}/{n}" not in second.stdout:
         raise Fail(f"the launch given output.resume={saved} did not say 'resumed from {saved} at step {stop}/{n}'",
                    log_b)
