@@ -18,7 +18,8 @@ from disttrain.metrics.log import read_metrics
 from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
-from strategy_runs import CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, matrix_recipe, small_data, strategy_run
+from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, matrix_recipe, small_data,
+                           strategy_run)
 
 MESH = "dp_replicate=2,dp_shard=2"
 

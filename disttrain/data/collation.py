@@ -111,11 +111,14 @@ def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Position t's target: labels[:, t + 1]; none at the last position."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
 def with_shift_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch with `shift_labels`: position t's target (labels[:, t + 1]; none at the last position)."""
-    labels = batch["labels"]
-    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-    return {**batch, SHIFT_LABELS_KEY: shifted}
+    """The batch with `shift_labels` (made before any split of its sequences)."""
+    return {**batch, SHIFT_LABELS_KEY: shifted(batch["labels"])}
 
 
 def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, count_targets
+from disttrain.data.collation import shifted as shift
 from disttrain.objectives import fused_head
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
@@ -138,9 +139,7 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, compute_dtype,
 def _targets(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
     """Position t is trained to predict labels[:, t + 1]; the last position predicts nothing. `shifted`: the
     labels are already position t's targets (`shift_labels`, shifted before the sequence was split)."""
-    if shifted:
-        return labels.reshape(-1)
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    return (labels if shifted else shift(labels)).reshape(-1)
 
 
 def _compute_dtype(hidden: torch.Tensor, head: torch.nn.Linear) -> torch.dtype:
@@ -292,7 +291,7 @@ class TokenLoss:
         if impl == "chunked":
             self.head = output_projection(model)
             self.head._disttrain_labels = None
-            self.head._disttrain_shifted = False  # the labels set are position t's targets already
+            self.head._disttrain_shifted = False  # True: the labels set are position t's targets already
             self.head._disttrain_transform = self.family.transform
             plain_forward = self.head.forward
 
@@ -339,7 +338,8 @@ class TokenLoss:
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
-        return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", SHIFT_LABELS_KEY)}
+        dropped = (*BOOKKEEPING_KEYS, "labels", SHIFT_LABELS_KEY)  # the targets go to the head, not the model
+        return {k: v for k, v in batch.items() if k not in dropped}
 
     def _chunked_output(self, model, batch: dict):
         shifted = SHIFT_LABELS_KEY in batch
@@ -421,7 +421,10 @@ class TokenLoss:
         shifted = SHIFT_LABELS_KEY in batch
         if self.impl == "plain":
             logits = model(**self._inputs(batch), use_cache=False).logits.float()
-            logits, targets = (logits, batch[SHIFT_LABELS_KEY]) if shifted else (logits[:, :-1], batch["labels"][:, 1:])
+            if not shifted:
+                logits, targets = logits[:, :-1], batch["labels"][:, 1:]
+            else:
+                targets = batch[SHIFT_LABELS_KEY]
             return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
                                                      reduction="none")
         if self.impl == "trl":
