@@ -97,7 +97,7 @@ def main(argv=None):
 
         activate_neftune(model, cfg.neftune_alpha, accelerator)
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
-    run_files.describe_run(accelerator, recipe, model, plan.strategy, feed.per_epoch, feed.total_steps, plan.mesh)
+    run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
     flops_meter, peak = meter_for(accelerator, recipe, model)
 
     # 6. What the objective needs before any update (DPO: its reference).

@@ -14,18 +14,13 @@ import torch
 
 from conftest import REPO, assert_ok, launch
 from disttrain.errors import DisttrainError
-from disttrain.metrics.log import read_metrics
 from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
-from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, matrix_recipe, small_data,
-                           strategy_run)
+from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, losses, matrix_recipe,
+                           small_data, strategy_run)
 
 MESH = "dp_replicate=2,dp_shard=2"
-
-
-def lines(out) -> dict:
-    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
 
 @pytest.fixture
@@ -47,8 +42,8 @@ def test_hsdp_trains_like_one_process_on_a_two_dimensional_mesh(hsdp_run, runs, 
     assert f"mesh={MESH}" in stdout and "processes=4" in stdout
     assert "run: FSDP2 parameters on the mesh (dp_replicate=2, dp_shard_cp=2) as (R, S(0))" in stdout
     ref = strategy_run(runs, tiny_model_dir, "single_gpu", False).out
-    assert sorted(lines(out)) == list(range(1, STEPS + 1))
-    assert lines(out) == pytest.approx(lines(ref), rel=1e-4)
+    assert sorted(losses(out)) == list(range(1, STEPS + 1))
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-4)
     ours, single = final_weights(out, False), final_weights(ref, False)
     assert set(ours) == set(single)
     for key, value in single.items():

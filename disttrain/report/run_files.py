@@ -101,8 +101,7 @@ def _preparation_per_rank(accelerator, train_report) -> list[dict]:
 RUN_FILE = "run.json"
 
 
-def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: int, total_steps: int,
-                 mesh: str | None = None) -> None:
+def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total_steps: int) -> None:
     """The one-screen run summary, and the same facts in <output.dir>/run.json (for the report and card)."""
     import json
     import platform
@@ -110,6 +109,8 @@ def describe_run(accelerator, recipe: Recipe, model, strategy: str, per_epoch: i
     import torch
 
     from disttrain.model.loading import count_parameters
+
+    strategy, mesh = plan.strategy, plan.mesh  # runtime/plan.ParallelPlan
 
     total, trainable = count_parameters(accelerator.unwrap_model(model))
     t = recipe.training
