@@ -17,11 +17,15 @@ GPUS        ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] 
 NODES       ?= 1
 # train-hsdp: replica groups (default one per node); the processes of each group shard the model
 HSDP_REPLICAS ?= $(NODES)
+# train-zero3-ulysses: processes per sequence (Ulysses sequence parallelism; at most the GPUs of a node)
+SP          ?= 2
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
 ARGS        ?=
 RUN         ?=
+# make eval: lm-eval task names (eval_tasks/ holds the project's own, over its synthetic data)
+TASKS       ?= disttrain_tiny_choice
 PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
 
@@ -50,10 +54,12 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	$(if $(filter-out 0,$(MAX_RESTARTS)),--max_restarts $(MAX_RESTARTS) --rdzv_backend c10d) \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE)) \
 	$(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
-	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) )))
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) ))) \
+	$(if $(filter zero3_ulysses,$(1)),--parallelism_config_sp_size $(SP) \
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) )))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-zero1 train-zero2 train-zero3 train-zero3-offload \
-	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-data report gpu-kit gpu-acceptance clean
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -65,11 +71,13 @@ help: ## list targets and variables
 	@echo "           RDZV_TIMEOUT=$(RDZV_TIMEOUT)s (give up joining the job)  HOSTFILE= (DeepSpeed pdsh launch from the head node)"
 	@echo "           MAX_RESTARTS=$(MAX_RESTARTS) (restart all workers after a failure, up to N times; they resume)"
 	@echo "           HSDP_REPLICAS=$(HSDP_REPLICAS) (train-hsdp: replica groups, default one per node; each sharded over GPUS x NODES / HSDP_REPLICAS processes)"
+	@echo "           SP=$(SP) (train-zero3-ulysses: processes per sequence; GPUS x NODES / SP groups read different rows)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
-	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs)"
+	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs; eval: one run, model or adapter dir)"
+	@echo "           TASKS=$(TASKS) BASE=1 LIMIT=n INCLUDE=dir (eval: lm-eval tasks, the base model too, examples per task, your task YAMLs)"
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
 
@@ -116,6 +124,9 @@ train-zero3: tiny ## DeepSpeed ZeRO-3
 train-zero3-offload: tiny ## DeepSpeed ZeRO-3 with optimizer + parameter offload to CPU
 	$(call LAUNCH,zero3_offload) train.py --recipe $(RECIPE) $(ARGS)
 
+train-zero3-ulysses: tiny ## ZeRO-3 + Ulysses: each sequence split over SP processes (long context)
+	$(call LAUNCH,zero3_ulysses) train.py --recipe $(RECIPE) $(ARGS)
+
 resume: tiny ## resume RECIPE under STRATEGY from the newest complete checkpoint in its output.dir
 	$(call LAUNCH,$(STRATEGY)) train.py --recipe $(RECIPE) output.resume=auto $(ARGS)
 
@@ -134,8 +145,16 @@ bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same d
 bench-memory: setup ## loss memory and step time per strategy: plain (full logits), chunked, TRL's fused head; 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench.memory --nproc $(GPUS) $(ARGS)
 
+bench-long: setup ## peak memory per rank at one long sequence, ZeRO-3 vs ZeRO-3 + Ulysses (sp 1, 2) -> bench/long/
+	$(PY) -m disttrain.bench.long --nproc $(GPUS) $(ARGS)
+
 report: setup ## summary table of RUN (one or several output dirs), with their plots and model cards
 	$(PY) -m disttrain.report $(RUN)
+
+eval: tiny ## score RUN (a run dir, model dir or LoRA adapter) on TASKS with lm-evaluation-harness; BASE=1 adds its base model -> RUN/eval/results.json
+	@test -n "$(RUN)" || { echo "error: give RUN=<a run's output dir, a model dir or an adapter dir>" >&2; exit 2; }
+	$(PY) -m disttrain.evaluation --run $(RUN) --tasks $(TASKS) $(if $(filter 1,$(BASE)),--base) \
+	$(if $(LIMIT),--limit $(LIMIT)) $(if $(INCLUDE),--include $(INCLUDE))
 
 bench-data: tiny ## data preparation: ours vs one batched tokenizer pass, memory vs size, DDP time to first step -> bench/data/
 	$(PY) -m disttrain.bench.data $(ARGS)
@@ -166,7 +185,7 @@ test: tiny ## the whole suite, what CI runs: unit tests + real multi-process lau
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: tiny ## the unit tests only, no launches, no downloads (~30 s): the inner loop while developing
-	$(PY) -m pytest -m "not launch and not network" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not launch and not network and not heavy" $(PYTEST_ARGS)
 
 clean: ## remove outputs and the tiny model (keeps .venv)
 	rm -rf outputs artifacts bench gpu_acceptance gpu_kit

@@ -55,7 +55,7 @@ def main(argv=None):
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
-    compat.check_before_launch(recipe, plan.strategy, has_gpu())
+    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp)
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     cfg = recipe.training
@@ -126,7 +126,7 @@ def main(argv=None):
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
-                       distributed=recipe.distributed, token_loss=loss, sampler=sampler)
+                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp)
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

@@ -100,7 +100,7 @@ def pytest_collection_modifyitems(config, items):
     processes take tests in this order and steal from each other's end), so that what is left at the end is
     seconds-long unit tests and both processes finish together instead of one waiting on a long launch."""
     def weight(item) -> tuple[int, int]:
-        launch = item.get_closest_marker("launch") is not None
+        launch = item.get_closest_marker("launch") is not None or item.get_closest_marker("heavy") is not None
         return (0 if launch else 1, 0 if item.originalname in LONGEST else 1)
     items.sort(key=weight)
 

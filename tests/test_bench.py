@@ -127,3 +127,21 @@ def test_bench_data_measures_ours_floor_memory_and_the_first_step(tmp_path):
     assert [r["tokenised_here"] for r in results["launch"]["preparation_per_rank"]] == [True, False]
     assert results["launch"]["seconds_to_first_step"] > 0
     assert "| alpaca | 400 |" in (out / "results.md").read_text()
+
+
+def test_bench_long_measures_activations_per_rank_with_and_without_ulysses(tmp_path):
+    """`make bench-long` end to end on a short sequence: ZeRO-3 (sp 1) and ZeRO-3 + Ulysses (sp 2) on 2
+    processes, each against its floor; one row per size, the ratios taken against sp 1."""
+    from disttrain.bench.long import main as long_main
+
+    out = tmp_path / "long"
+    long_main(["--seq", "1024", "--floor-seq", "64", "--hidden", "128", "--layers", "2", "--heads", "4",
+               "--steps", "3", "--warmup", "1", "--out", str(out)])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["sp"], r["config"]) for r in rows] == [(1, "zero3"), (2, "zero3_ulysses")]
+    for r in rows:
+        assert r["long_peak_gb"] > 0 and r["floor_peak_gb"] > 0 and r["step_s"] > 0
+        assert r["activations_gb"] == pytest.approx(r["long_peak_gb"] - r["floor_peak_gb"])
+    assert rows[0]["activations_vs_sp1"] == 1.0
+    assert rows[1]["activations_vs_sp1"] == pytest.approx(rows[1]["activations_gb"] / rows[0]["activations_gb"])
+    assert "| 2 | zero3_ulysses |" in (out / "results.md").read_text()

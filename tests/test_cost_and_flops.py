@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from disttrain.errors import DisttrainError
 from disttrain.tools.cost import ASSUMED_MFU, Workload, main, model_states_gb
 from disttrain.metrics.flops import shape_from_config, training_flops_per_token
 from disttrain.metrics.hardware import ACCELERATORS, lookup
@@ -163,6 +164,33 @@ def test_chunked_loss_keeps_one_chunk_of_logits_whatever_the_sequence():
     chunked = Workload(7e9, shape, 1e9, 4096, 4, True, loss_impl="chunked")
     logits_plain = 10 * 4 * 4096 * 152064 / 1e9  # ~24.9 GB
     assert activations_gb(plain) - activations_gb(chunked) == pytest.approx(logits_plain - 8 * CHUNK_LOGITS / 1e9)
+
+
+def test_meshes_hsdp_shards_states_within_a_replica_and_ulysses_divides_activations(capsys):
+    """--hsdp-replicas R: the hsdp row holds FSDP2's states over GPUS / R GPUs; --sp S: the zero3_ulysses row
+    holds ZeRO-3's states over all GPUs and 1/S of every activation term (layers and logits); the shipped
+    mesh recipes fit where their comments say."""
+    from disttrain.metrics.flops import ModelShape
+    from disttrain.tools.cost import activations_gb
+
+    shape = ModelShape(params=7e9, matmul_params=7e9, layers=28, heads=28, head_dim=128, hidden=3584, vocab=152064)
+    for loss_impl in ("plain", "chunked"):
+        w = Workload(7e9, shape, 1e9, 32768, 1, False, loss_impl=loss_impl)
+        assert activations_gb(w, 4) == pytest.approx(activations_gb(Workload(7e9, shape, 1e9, 8192, 1, False,
+                                                                              loss_impl=loss_impl)))
+    main(["--recipe", str(REPO / "recipes/qwen2.5-7b/long_sft_32k.yaml"), "--tokens", "1e9", "--gpus", "8",
+          "--sp", "4", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    ulysses, zero3 = rows["zero3_ulysses"], rows["zero3"]
+    assert ulysses["states_gb"] == zero3["states_gb"] and ulysses["activations_gb"] < zero3["activations_gb"] / 3.9
+    assert ulysses["fits"] and not zero3["fits"] and "hsdp" not in rows
+    main(["--recipe", str(REPO / "recipes/qwen2.5-32b/full_sft_hsdp.yaml"), "--tokens", "1e9", "--gpus", "16",
+          "--hsdp-replicas", "2", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["hsdp"]["states_gb"] == pytest.approx(2 * rows["fsdp"]["states_gb"]) and rows["hsdp"]["fits"]
+    assert "zero3_ulysses" not in rows
+    with pytest.raises(DisttrainError, match="--sp 3 must divide --gpus 8"):
+        main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--sp", "3"])
 
 
 def test_preference_reference_memory_and_flops(tmp_path):

@@ -3,7 +3,7 @@ group and replicated across them, from accelerate's ParallelismConfig. On 4 CPU 
 shards: the matrix recipe with 4 rows per step (4 processes x 1 row) trains the model one process trains
 (tests/strategy_runs.py, the same tolerances as every strategy), the parameters really are laid out as
 (Replicate, Shard), its checkpoint records the mesh and resumes on it exactly, another mesh is refused in one
-line, and the meshes disttrain does not handle yet (tensor, context, sequence parallel) are refused before
+line, and the meshes disttrain does not handle yet (tensor, context parallel) are refused before
 anything starts."""
 
 import os

@@ -115,12 +115,14 @@ def test_bad_data_line_fails_fast_with_file_and_line(tmp_path, tiny_model_dir):
 
 def test_lora_export_with_merged_model(runs, tiny_model_dir):
     """The strategy matrix's DDP LoRA run (lora.merge_on_export: true): the adapter and the merged model give
-    the same logits, and they differ from the base model's."""
+    the same logits, and they differ from the base model's; merged/ is a model dir of its own (its tokenizer)."""
     from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final = strategy_run(runs, tiny_model_dir, "ddp", True).out / "final"
     assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
+    assert AutoTokenizer.from_pretrained(final / "merged").chat_template == AutoTokenizer.from_pretrained(
+        final).chat_template is not None
     adapter = AutoPeftModelForCausalLM.from_pretrained(final).eval()
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
     ids = torch.tensor([[5, 17, 42, 9, 100]])

@@ -39,28 +39,45 @@ from disttrain.errors import DisttrainError, exit_on_user_error
 ENGINES = ("plain", "chunked", "trl")  # training.loss_impl values; plain is the reference
 
 
-def build(out: Path, vocab: int, seq: int, rows: int) -> tuple[Path, Path, Path]:
-    """Model dir, an all-targets text corpus and a one-target chat corpus, both of `seq`-token rows."""
+def build_model(out: Path, vocab: int, seq: int, **body) -> Path:
+    """A Llama-shaped model of `vocab` tokens (tools.tiny's small body, or `body`'s dimensions) and the tiny
+    tokenizer, written to out/model."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from disttrain.tools.tiny import WORDS, build_tokenizer, tiny_llama_config
+    from disttrain.tools.tiny import build_tokenizer, tiny_llama_config
 
     tokenizer = build_tokenizer()
     config = tiny_llama_config(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                               max_position_embeddings=max(seq, 1024))
+                               max_position_embeddings=max(seq, 1024), **body)
     torch.manual_seed(0)
     model_dir = out / "model"
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def build_text(out: Path, seq: int, rows: int) -> Path:
+    """An all-targets text corpus of at least `rows` rows of `seq` tokens (with data.concat_and_chunk)."""
+    from disttrain.tools.tiny import WORDS
+
     words = [WORDS[i % len(WORDS)] for i in range(seq * rows * 2)]
-    text = out / "all_targets.jsonl"  # concat_and_chunk cuts it into full rows
+    text = out / "all_targets.jsonl"
     text.write_text("".join(json.dumps({"text": " ".join(words[i:i + 50])}) + "\n"
                             for i in range(0, len(words), 50)))
+    return text
+
+
+def build(out: Path, vocab: int, seq: int, rows: int) -> tuple[Path, Path, Path]:
+    """Model dir, an all-targets text corpus and a one-target chat corpus, both of `seq`-token rows."""
+    from disttrain.tools.tiny import WORDS, build_tokenizer
+
+    model_dir, text = build_model(out, vocab, seq), build_text(out, seq, rows)
+    tokenizer = build_tokenizer()
     prompt = []
-    for word in words:  # a user turn that fills the row but for a one-word answer
-        prompt.append(word)
+    for i in range(seq * rows * 2):  # a user turn that fills the row but for a one-word answer
+        prompt.append(WORDS[i % len(WORDS)])
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(prompt)}], tokenize=False,
                                                  add_generation_prompt=True)
         if len(tokenizer(rendered)["input_ids"]) >= seq - 8:

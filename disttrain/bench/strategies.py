@@ -25,15 +25,16 @@ DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
 
 
 def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Path, overrides: list[str],
-                 log_every: int = 1, timeout_s: float | None = None) -> list[dict]:
-    """One launch; `log_every` > 1 measures with normal logging (windows must align with the warm-up)."""
+                 log_every: int = 1, timeout_s: float | None = None, launcher_args: tuple = ()) -> list[dict]:
+    """One launch; `log_every` > 1 measures with normal logging (windows must align with the warm-up);
+    `launcher_args` go to `accelerate launch` (a mesh's sizes)."""
     cmd = launch_command(
         strategy, nproc, "train.py", "--recipe", recipe, *overrides,
         f"training.max_steps={steps}", f"logging.every_steps={log_every}", "logging.report_to=[none]",
         "training.eval_every=null", "training.stop_at_step=null", f"output.dir={run_dir}", "output.resume=none",
         "output.checkpoint_every=null", "output.checkpoint_at_end=false", "output.save_final_model=false",
         # what is measured ends with the last step: no samples, model card or plots after it (seconds per launch)
-        "logging.samples=0", "output.report=false")
+        "logging.samples=0", "output.report=false", launcher_args=launcher_args)
     run_dir.mkdir(parents=True, exist_ok=True)
     proc = run_logged(cmd, run_dir / "launch.log", timeout_s)
     if proc.returncode != 0:

@@ -13,7 +13,8 @@ model, flash included (through transformers' own flash code with CPU reference k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -119,6 +120,43 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
 def with_shift_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch with `shift_labels` (made before any split of its sequences)."""
     return {**batch, SHIFT_LABELS_KEY: shifted(batch["labels"])}
+
+
+@dataclass
+class SequenceShard:
+    """One process's slice of every sequence of the batches its sequence-parallel group shares (Ulysses: the
+    sp processes of a group read the same rows; inside attention an all-to-all gives each one every position
+    for 1/sp of the heads). The labels are shifted on the whole sequence before it is cut (shifting inside a
+    slice would lose the target of its last position), positions are the whole sequence's, and the
+    bookkeeping counts this slice only, so sums over all processes count every token once. Padding stays on
+    the right (the collator pads each batch to a multiple of the slice count): Ulysses attends causally
+    without a mask, which is exact for every real token of a right-padded row. Packed rows are refused
+    before this runs (recipe.compat), since without a mask their examples would attend to each other."""
+
+    collate: Collator
+    index: int
+    count: int
+
+    def __post_init__(self):
+        multiple = self.collate.pad_to_multiple_of or 1
+        self.collate = replace(self.collate, pad_to_multiple_of=multiple * self.count // math.gcd(multiple, self.count))
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collate(rows)
+        mask = batch.pop("attention_mask")
+        rows_, length = batch["input_ids"].shape
+        width = length // self.count
+        part = slice(self.index * width, (self.index + 1) * width)
+        positions = torch.arange(length).expand(rows_, length)
+        squares = batch[SQUARES_KEY]  # attention cost: each process computes 1/count of the heads
+        share = squares // self.count + (squares % self.count if self.index == 0 else 0)
+        return {"input_ids": batch["input_ids"][:, part],
+                # the unshifted labels of the slice ride along for transformers' own loss, which uses
+                # shift_labels whenever they are given (the plain engine and the start-up self-check)
+                "labels": batch["labels"][:, part],
+                SHIFT_LABELS_KEY: shifted(batch["labels"])[:, part],
+                "position_ids": positions[:, part].contiguous(),
+                LENGTHS_KEY: mask[:, part].sum(1), SQUARES_KEY: share}
 
 
 def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):

@@ -30,6 +30,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         if merge_lora and is_peft_model(unwrapped):
             with _without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)
+            tokenizer.save_pretrained(tmp / "merged")  # a model dir of its own: from_pretrained loads both
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -111,13 +111,41 @@ def check_trackers(report_to: list[str]) -> None:
                                  f"{tracker} (or {extras[tracker]}), or remove it from report_to")
 
 
-def check_before_launch(recipe: Recipe, strategy: str, gpu: bool) -> None:
+def check_sequence_parallel(recipe: Recipe, sp: int) -> None:
+    """Ulysses (sp processes per sequence) attends causally with no mask, on the attention kernel the accelerate
+    config names, and feeds plain padded rows (data.collation.SequenceShard)."""
+    if sp == 1:
+        return
+    d, m = recipe.data, recipe.model
+    where = "accelerate_configs/zero3_ulysses.yaml (sp_size > 1)"
+    if d.packing or d.chunk_isolate_documents:
+        raise DisttrainError(f"data.{'packing' if d.packing else 'chunk_isolate_documents'}=true is not supported "
+                             f"under {where}: Ulysses drops the attention mask, so packed examples would attend to "
+                             "each other; set it to false (long rows need no packing)")
+    if d.streaming:
+        raise DisttrainError(f"data.streaming=true is not supported under {where} yet (streams are packed); use a "
+                             "map-style dataset (data.streaming=false)")
+    if recipe.training.objective != "sft":
+        raise DisttrainError(f"training.objective={recipe.training.objective} is not supported under {where} "
+                             "yet; train it without sequence parallelism (zero3.yaml)")
+    kernel = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "sdpa")
+    if m.attn_implementation != kernel:
+        raise DisttrainError(f"model.attn_implementation={m.attn_implementation} differs from the accelerate "
+                             f"config's parallelism_config_sp_attn_implementation={kernel}; Ulysses wraps the "
+                             "config's kernel, so set both to the same (sdpa)")
+    if kernel != "sdpa" and os.environ.get(ALLOW_UNVERIFIED) != "1":
+        raise DisttrainError(f"Ulysses with attn_implementation={kernel} is unverified here (only sdpa is tested); "
+                             f"use sdpa, or set {ALLOW_UNVERIFIED}=1 to try it")
+
+
+def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1) -> None:
     """Everything that would stop this recipe under this launch, checked before the process group exists (one
     line each); and the launch-environment warnings (restarts, the preemption shutdown timeout)."""
     from disttrain.model import hub
     from disttrain.runtime import guards
 
     check(recipe, strategy, gpu)
+    check_sequence_parallel(recipe, sp)
     check_trackers(recipe.logging.report_to)
     hub.check_token(recipe.output.push_to_hub)  # before training, not after it
     check_zero3_export(recipe, strategy)

@@ -114,7 +114,8 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
 
     total, trainable = count_parameters(accelerator.unwrap_model(model))
     t = recipe.training
-    global_batch = t.micro_batch_size * t.grad_accum * accelerator.num_processes
+    data_ranks = plan.data_ranks(accelerator)  # Ulysses: a group of sp processes reads one share of the rows
+    global_batch = t.micro_batch_size * t.grad_accum * data_ranks
     if accelerator.is_main_process:
         device = accelerator.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
@@ -131,7 +132,7 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
         f"compile={'regional (inductor, dynamic shapes)' if t.compile else 'no'}\n"
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
-        f"{accelerator.num_processes} procs) "
+        f"{data_ranks} {'procs' if data_ranks == accelerator.num_processes else f'groups of {plan.sp} procs'}) "
         f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} total_steps={total_steps}")
     from disttrain.runtime.backends import fsdp_layout
 

@@ -61,14 +61,15 @@ def mesh_sizes() -> dict[str, int] | None:
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, fsdp, fsdp_offload, hsdp, zero1, zero2, zero3, zero3_offload."""
+    ddp, fsdp, fsdp_offload, hsdp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
         return "hsdp"
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
-        return f"zero{'' if stage is None else stage}{'_offload' if offload else ''}"
+        ulysses = "_ulysses" if mesh and mesh["sp"] > 1 else ""
+        return f"zero{'' if stage is None else stage}{'_offload' if offload else ''}{ulysses}"
     if strategy == "fsdp" and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
         return "fsdp_offload"
     return strategy
@@ -208,6 +209,20 @@ def set_deepspeed_micro_batch(accelerator, micro_batch_size: int) -> None:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
+def shard_loader(accelerator, loader, data_rank: int, data_ranks: int):
+    """accelerator.prepare_data_loader with the data rank in place of the process rank (the same settings
+    otherwise): for meshes whose processes share rows, which accelerate does not know under DeepSpeed."""
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(
+        loader, accelerator.device, num_processes=data_ranks, process_index=data_rank,
+        split_batches=accelerator.split_batches, put_on_device=accelerator.device_placement,
+        rng_types=accelerator.rng_types.copy(), dispatch_batches=accelerator.dispatch_batches,
+        even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader)
 
 
 def shards_weights(accelerator) -> bool:

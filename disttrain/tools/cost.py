@@ -31,10 +31,14 @@ from disttrain.metrics.flops import (ModelShape, attention_flops_per_token, forw
 from disttrain.metrics.hardware import ACCELERATORS, Accelerator, lookup
 
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload"]
+# The meshes, planned when asked for (--hsdp-replicas, --sp): which one-dimensional strategy shards their
+# states, and over how many GPUs (hsdp: one replica's; Ulysses: ZeRO-3 over all of them, dp x sp)
+MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3"}
 # Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
-# moves weights over PCIe every step). Replace with --mfu or --bench for real planning.
+# moves weights over PCIe every step; HSDP's gathers stay inside a node, as FSDP2's on one node; Ulysses adds
+# four all-to-alls per layer and pass). Replace with --mfu or --bench for real planning.
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
-               "fsdp_offload": 0.12, "zero3_offload": 0.12}
+               "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -105,10 +109,12 @@ def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float
     return 2 * base / (w.shape.layers if w.shape else 32) / 1e9, (base + adapters) / 1e9
 
 
-def activations_gb(w: Workload) -> float | None:
+def activations_gb(w: Workload, sp: int = 1) -> float | None:
+    """Per GPU. Ulysses (sp processes per sequence) keeps 1/sp of every sequence's positions outside attention
+    and all positions of 1/sp of the heads inside it: every term falls by sp."""
     if w.shape is None:
         return None
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.seq_len * w.micro_batch // sp
     per_layer_full = 34 * tokens * w.shape.hidden
     if w.gradient_checkpointing:
         layers = 2 * tokens * w.shape.hidden * w.shape.layers + per_layer_full
@@ -149,13 +155,27 @@ def reference_flops_per_token(w: Workload) -> float:
     return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
 
+def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int) -> list[tuple[str, str, int, int]]:
+    """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size) per row."""
+    rows = [(s, s, n_gpus, 1) for s in STRATEGIES]
+    if hsdp_replicas > 1:
+        if n_gpus % hsdp_replicas:
+            raise DisttrainError(f"--hsdp-replicas {hsdp_replicas} must divide --gpus {n_gpus}")
+        rows.append(("hsdp", MESHES["hsdp"], n_gpus // hsdp_replicas, 1))
+    if sp > 1:
+        if n_gpus % sp:
+            raise DisttrainError(f"--sp {sp} must divide --gpus {n_gpus}")
+        rows.append(("zero3_ulysses", MESHES["zero3_ulysses"], n_gpus, sp))
+    return rows
+
+
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
-         mfu_source: dict[str, str], host_ram_gb: float | None) -> dict:
+         mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1) -> dict:
     total_flops = flops_per_token(w) * w.tokens
-    act = activations_gb(w)
     rows = []
-    for strategy in STRATEGIES:
-        states, host = model_states_gb(w, strategy, n_gpus)
+    for strategy, sharding, shards, seq_shards in _mesh_rows(n_gpus, hsdp_replicas, sp):
+        states, host = model_states_gb(w, sharding, shards)
+        act = activations_gb(w, seq_shards)
         need = states + (act or 0.0) + RESERVE_GB
         fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
         seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
@@ -254,7 +274,7 @@ def _lora_params(config, r: int, targets, parameters=None) -> int:
 
 
 def _mfu(args) -> tuple[dict, dict]:
-    mfu, source = dict(ASSUMED_MFU), {s: "assumed" for s in STRATEGIES}
+    mfu, source = dict(ASSUMED_MFU), {s: "assumed" for s in ASSUMED_MFU}
     if args.bench:
         results = json.loads(Path(args.bench).read_text())
         for row in results.get("results", []):
@@ -262,7 +282,7 @@ def _mfu(args) -> tuple[dict, dict]:
             if name in mfu and row.get("mfu"):
                 mfu[name], source[name] = float(row["mfu"]), f"measured ({Path(args.bench).name})"
     if args.mfu:
-        for s in STRATEGIES:
+        for s in ASSUMED_MFU:
             mfu[s], source[s] = args.mfu, "given"
     return mfu, source
 
@@ -336,7 +356,12 @@ def main(argv=None) -> None:
     hw.add_argument("--peak-tflops", type=float, help="override the dense peak")
     hw.add_argument("--memory-gb", type=float, help="override the memory per GPU")
     hw.add_argument("--host-ram-gb", type=float, help="host RAM for offload (per job); unknown if omitted")
-    parser.add_argument("--strategy", choices=STRATEGIES, help="the strategy you plan to use (marked *)")
+    hw.add_argument("--hsdp-replicas", type=int, default=1,
+                    help="add an hsdp row: FSDP2 sharded within GPUS / R GPUs, replicated R times (R = nodes)")
+    hw.add_argument("--sp", type=int, default=1,
+                    help="add a zero3_ulysses row: each sequence split over SP GPUs (activations / SP)")
+    parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
+                        help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
     parser.add_argument("--bench", help="bench/results.json from `make bench`: its measured MFU per strategy")
     parser.add_argument("--json", action="store_true")
@@ -352,7 +377,8 @@ def main(argv=None) -> None:
                       args.price if args.price is not None else gpu.price_per_hour)
     workload, title = _workload_from_args(args)
     mfu, source = _mfu(args)
-    result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb)
+    result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb, args.hsdp_replicas,
+                  args.sp)
     if args.json:
         print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
     else:

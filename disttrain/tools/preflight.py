@@ -159,7 +159,15 @@ class Report:
         return any(status == "FAIL" for _, status, _ in self.rows)
 
 
-def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path, overrides=()) -> Report:
+def config_processes(config_file: Path) -> int:
+    """The processes an accelerate config is written for: its mesh's size (hsdp.yaml: 2 x 2) or 2."""
+    import yaml
+
+    return max(2, int(yaml.safe_load(config_file.read_text()).get("num_processes") or 2))
+
+
+def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir: Path, overrides=()) -> Report:
+    """nproc None: what the config is written for (config_processes)."""
     report = Report()
     try:
         recipe = load_recipe(recipe_path, overrides)
@@ -173,6 +181,7 @@ def run(recipe_path: str, strategy: str, nproc: int, steps: int, work_dir: Path,
                    + ", ".join(sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))))
         return report
 
+    nproc = nproc or config_processes(config_file)
     from disttrain.recipe import compat
 
     try:
@@ -233,7 +242,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--strategy", default="ddp", help="an accelerate_configs/<name>.yaml, e.g. ddp, fsdp, zero3")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="CPU processes (default: what the config is written for: 2, or its mesh's size)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all (half before the resume)")
     parser.add_argument("--work-dir", default=None, help="default: outputs/preflight/<recipe>-<strategy>")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")

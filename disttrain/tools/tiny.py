@@ -118,6 +118,28 @@ def preference_records(n: int, seed: int, messages: bool) -> list[dict]:
     return out
 
 
+def choice_records(n: int, seed: int) -> list[dict]:
+    """The evaluation task's rows (eval_tasks/disttrain_tiny): the alpaca tasks' user turn as the training data
+    renders it (instruction, a blank line, the input), the right answer and three wrong ones (other orders of
+    the same words, other counts) as multiple choice, and the answer alone for generation."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        instruction, text, answer = _task(rng)
+        words = (text or answer).split()
+        if instruction.startswith("How many"):
+            wrong = [str(k) for k in range(1, 8) if str(k) != answer]
+        else:
+            wrong = list({" ".join(rng.sample(words, len(words))) for _ in range(20)} - {answer})
+        if len(wrong) < 3:
+            continue  # two words have only one other order
+        choices = [answer, *sorted(rng.sample(sorted(wrong), 3))]
+        rng.shuffle(choices)
+        out.append({"prompt": instruction + (f"\n\n{text}" if text else ""), "choices": choices,
+                    "label": choices.index(answer), "answer": answer})
+    return out
+
+
 def text_records(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))} for _ in range(n)]
@@ -134,6 +156,7 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_sharegpt.jsonl": sharegpt_records(300, seed=4),
         "tiny_dpo.jsonl": preference_records(800, seed=5, messages=True),
         "tiny_dpo_eval.jsonl": preference_records(64, seed=6, messages=False),
+        "tiny_tasks_eval.jsonl": choice_records(100, seed=7),  # eval_tasks/disttrain_tiny (make eval)
     }
     written = []
     for name, records in files.items():

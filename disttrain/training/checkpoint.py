@@ -53,7 +53,7 @@ class RunShape:
     grad_accum: int
     streaming: bool = False  # per-rank stream positions: resumable only by the same number of ranks
     zero_stage: int | None = None  # DeepSpeed: another stage's optimizer/weight shards do not load
-    mesh: str | None = None  # HSDP's "dp_replicate=R,dp_shard=S"; None: one dimension
+    mesh: str | None = None  # "dp_replicate=R,dp_shard=S" (HSDP), "dp_shard=D,sp=S" (Ulysses); None: one dimension
 
     @property
     def global_batch(self) -> int:

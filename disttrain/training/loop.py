@@ -125,8 +125,9 @@ class _Window:
     HOST_FIELDS = ("padded_tokens", "data_wait_s", "peak_mem_gb")
     FIELDS = DEVICE_FIELDS + HOST_FIELDS
 
-    def __init__(self, device, meter=None, peak_flops: float | None = None):
+    def __init__(self, device, meter=None, peak_flops: float | None = None, data_rank_size: int = 1):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
+        self.data_rank_size = data_rank_size  # consecutive processes that read the same rows (Ulysses: sp)
         self.reset()
 
     def reset(self):
@@ -161,7 +162,9 @@ class _Window:
         local = torch.cat([self.sums, host.to(self.device)])
         per_rank = accelerator.gather(local.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
-        rank_loss = f["loss_sum"] / f["targets"].clamp(min=1)
+        # the spread compares data ranks: slices of the same sequences (Ulysses) differ by position, not data
+        by_data = {k: f[k].reshape(-1, self.data_rank_size).sum(1) for k in ("loss_sum", "targets")}
+        rank_loss = by_data["loss_sum"] / by_data["targets"].clamp(min=1)
         mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
         elapsed = max(time.perf_counter() - self.started - self.excluded_s, 1e-9)
         devices = per_rank.shape[0]
@@ -169,8 +172,8 @@ class _Window:
             "loss": float(mean_loss),
             "loss_rank_min": float(rank_loss.min()),
             "loss_rank_max": float(rank_loss.max()),
-            "loss_rank_min_rank": int(rank_loss.argmin()),
-            "loss_rank_max_rank": int(rank_loss.argmax()),
+            "loss_rank_min_rank": int(rank_loss.argmin()) * self.data_rank_size,  # its first process
+            "loss_rank_max_rank": int(rank_loss.argmax()) * self.data_rank_size,
             "loss_rank_spread": float((rank_loss.max() - rank_loss.min()) / mean_loss.abs().clamp(min=1e-12)),
             "step_time_s": elapsed / max(self.steps, 1),
             "tokens_per_s": float(f["tokens"].sum()) / elapsed,
@@ -198,7 +201,7 @@ class _Window:
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None, sampler=None) -> TrainState:
+          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
@@ -207,10 +210,11 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
     interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
     transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
+    `data_rank_size`: consecutive processes sharing rows (ParallelPlan.sp), compared as one in the spread.
     """
     token_loss = token_loss or TokenLoss(model, "plain")
     ga = accelerator.gradient_accumulation_steps
-    window = _Window(accelerator.device, flops_meter, peak_flops)
+    window = _Window(accelerator.device, flops_meter, peak_flops, data_rank_size)
     replicas_every = distributed.check_replicas_every if distributed is not None else None
     warn_loss_spread = guards.LossSpreadWarning(distributed.loss_spread_warning if distributed is not None else None)
     model.train()

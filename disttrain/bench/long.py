@@ -1,0 +1,131 @@
+"""`make bench-long`: the memory a long sequence takes per rank, whole on every process vs cut by Ulysses.
+
+    python -m disttrain.bench.long                                  # CPU defaults below
+    python -m disttrain.bench.long --seq 32768 --hidden 4096 --layers 4 --sp 2,4 --nproc 4   # on GPUs
+
+A Llama-shaped model with a wide body and a small vocabulary (the layers' activations dominate, not the
+logits) is made locally; rows of `--seq` tokens, all targets, no padding. For each sequence-parallel size in
+`--sp` (1: accelerate_configs/zero3.yaml, every process a whole sequence; S > 1: zero3_ulysses.yaml with S
+processes per sequence) on `--nproc` processes, two launches of train.py:
+- long:  rows of `--seq` tokens;
+- floor: the same model, strategy and steps on rows of `--floor-seq` tokens: everything but the sequence.
+Activations per rank = peak(long) - peak(floor); the expectation is ~1/S of sp=1's. Peak memory per rank,
+max over ranks: `torch.cuda.max_memory_allocated` on GPUs, peak RSS on CPUs (hence the floor, measured the
+same way). Also the step time (median after warm-up) and tokens/s per device.
+Writes <out>/results.json and results.md (default bench/long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from disttrain.bench.memory import build_model, build_text
+from disttrain.bench.strategies import run_strategy, summarize
+from disttrain.errors import DisttrainError, exit_on_user_error
+
+
+def recipe(model_dir: Path, data: Path, seq: int) -> dict:
+    return {"model": {"name_or_path": str(model_dir), "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"path": str(data), "format": "text", "concat_and_chunk": True, "max_seq_len": seq,
+                     "shuffle": False},
+            "training": {"micro_batch_size": 1, "grad_accum": 1, "lr": 1e-4, "mixed_precision": "no"},
+            "logging": {"report_to": ["none"]}, "output": {"dir": "unused"}}
+
+
+def launch_args(sp: int, nproc: int) -> tuple[str, list[str]]:
+    """The accelerate config and launcher flags of a sequence-parallel size."""
+    if sp == 1:
+        return "zero3", []
+    if nproc % sp:
+        raise DisttrainError(f"bench-long: --sp {sp} must divide --nproc {nproc}")
+    return "zero3_ulysses", ["--parallelism_config_sp_size", str(sp),
+                             "--parallelism_config_dp_shard_size", str(nproc // sp)]
+
+
+def measure(args) -> list[dict]:
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    body = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.heads}
+    model_dir = build_model(out, args.vocab, args.seq, **body)
+    text = build_text(out, args.seq, rows=args.steps * args.nproc)
+    rows = []
+    for sp in [int(s) for s in args.sp.split(",")]:
+        config, flags = launch_args(sp, args.nproc)
+        row = {"sp": sp, "config": config, "processes": args.nproc}
+        for run, seq in (("long", args.seq), ("floor", args.floor_seq)):
+            path = out / f"sp{sp}_{run}.yaml"
+            path.write_text(yaml.safe_dump(recipe(model_dir, text, seq)))
+            records = run_strategy(str(path), config, args.nproc, args.steps, out / f"sp{sp}_{run}", [],
+                                   timeout_s=args.timeout, launcher_args=tuple(flags))
+            summary = summarize(config, records, args.warmup)
+            row[f"{run}_peak_gb"] = summary["peak_mem_gb"]
+            if run == "long":
+                row["step_s"] = summary["step_time_p50_s"]
+                row["tokens_per_s_per_device"] = summary["tokens_per_s_per_device"]
+        row["activations_gb"] = row["long_peak_gb"] - row["floor_peak_gb"]
+        rows.append(row)
+        write(out, args, rows)  # after every size: a cut run keeps what finished
+    return rows
+
+
+def write(out: Path, args, rows: list[dict]) -> None:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86'})"
+    memory = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS (ru_maxrss)"
+    meta = {"seq": args.seq, "floor_seq": args.floor_seq, "hidden": args.hidden, "layers": args.layers,
+            "heads": args.heads, "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup,
+            "processes": args.nproc, "device": device, "torch": torch.__version__, "memory": memory}
+    base = next((r for r in rows if r["sp"] == 1), None)
+    for r in rows:
+        if base is not None:
+            r["activations_vs_sp1"] = r["activations_gb"] / base["activations_gb"]
+            r["step_time_vs_sp1"] = r["step_s"] / base["step_s"]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# Long sequences: {args.seq} tokens, hidden {args.hidden} x {args.layers} layers, "
+             f"{args.nproc} processes under ZeRO-3", "",
+             f"{device}, torch {meta['torch']}; peak memory per rank = {memory}, max over ranks; activations = "
+             f"peak - floor (the same run on {args.floor_seq}-token rows); step time = median after "
+             f"{args.warmup} warm-up steps", "",
+             "| sp | config | peak (GB) | floor (GB) | activations (GB) | vs sp=1 | step time (s) | vs sp=1 "
+             "| tokens/s per device |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['sp']} | {r['config']} | {r['long_peak_gb']:.2f} | {r['floor_peak_gb']:.2f} | "
+                     f"{r['activations_gb']:.2f} | {format(r['activations_vs_sp1'], '.2f') if base else '-'} | "
+                     f"{r['step_s']:.2f} | {format(r['step_time_vs_sp1'], '.2f') if base else '-'} | "
+                     f"{r['tokens_per_s_per_device']:.0f} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sp", default="1,2", help="sequence-parallel sizes; 1 = plain ZeRO-3 (the reference)")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--floor-seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument("--out", default="bench/long")
+    args = parser.parse_args(argv)
+    measure(args)
+    print((Path(args.out) / "results.md").read_text())
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(sys.argv[1:])
