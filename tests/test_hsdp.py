@@ -74,12 +74,16 @@ def test_hsdp_resumes_exactly_on_its_mesh_and_refuses_another(hsdp_run, runs, ti
      "tp_size=2 is not supported yet"),
     ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "2"},
      "cp_size=2 is not supported yet"),
+    # Ulysses (tests/test_ulysses.py): DeepSpeed's, and its groups must cover the processes too
+    ({"PARALLELISM_CONFIG_SP_SIZE": "2"}, "sp_size=2 needs DeepSpeed"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"},
+     "dp_shard_size=1 x sp_size=2 must equal the 4 processes launched"),
 ])
 def test_meshes_that_do_not_fit_are_refused_in_one_line(env, expected, monkeypatch):
     for name in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP"):
         monkeypatch.delenv(f"PARALLELISM_CONFIG_{name}_SIZE", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false" if "ACCELERATE_USE_DEEPSPEED" in env else "true")
     monkeypatch.setenv("WORLD_SIZE", "4")
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -144,10 +144,10 @@ class SequenceShard:
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         batch = self.collate(rows)
         mask = batch.pop("attention_mask")
-        rows_, length = batch["input_ids"].shape
+        size, length = batch["input_ids"].shape
         width = length // self.count
         part = slice(self.index * width, (self.index + 1) * width)
-        positions = torch.arange(length).expand(rows_, length)
+        positions = torch.arange(length).expand(size, length)
         squares = batch[SQUARES_KEY]  # attention cost: each process computes 1/count of the heads
         share = squares // self.count + (squares % self.count if self.index == 0 else 0)
         return {"input_ids": batch["input_ids"][:, part],
