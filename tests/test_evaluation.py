@@ -84,3 +84,41 @@ def test_bad_input_is_one_line(tmp_path, tiny_model_dir):
     proc = subprocess.run(["make", "-s", "eval"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert proc.stderr.splitlines()[0] == "error: give RUN=<a run's output dir, a model dir or an adapter dir>"
+
+
+def test_scores_reach_the_model_card_and_the_report(tmp_path):
+    """<run>/eval/results.json (as make eval writes it): the card gains an Evaluation table (fine-tuned beside
+    base, with standard errors) and the Hub's model-index; `make report` gains a column per task and metric,
+    '-' for a run not evaluated on it."""
+    import yaml
+    from disttrain.report import summary_row, summary_table
+    from disttrain.report.card import model_card
+
+    def run(name: str, scores: dict | None):
+        out = tmp_path / "runs" / name
+        (out / "final").mkdir(parents=True)
+        (out / "recipe.yaml").write_text(yaml.safe_dump({"model": {"name_or_path": "Qwen/Qwen2.5-7B-Instruct"},
+                                                         "training": {"lr": 1e-5}}))
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+        if scores is not None:
+            (out / "eval").mkdir()
+            (out / "eval" / "results.json").write_text(json.dumps(scores))
+        return out
+
+    results = {"models": {"fine_tuned": {"model": "x/final", "results": {TASK: {
+                   "acc,none": 0.6, "acc_stderr,none": 0.1}, "disttrain_tiny_generate": {"exact_match,strip": 0.35}}},
+               "base": {"model": "Qwen/Qwen2.5-7B-Instruct", "results": {TASK: {"acc,none": 0.25,
+                                                                               "acc_stderr,none": 0.09}}}},
+               "lm_eval": "0.4.13", "chat_template": True, "limit": 20}
+    evaluated, plain = run("evaluated", results), run("plain", None)
+    card = model_card(evaluated)
+    header = yaml.safe_load(card.split("---")[1])
+    (entry,) = header["model-index"]
+    metrics = {(r["dataset"]["name"], m["type"]): m["value"] for r in entry["results"] for m in r["metrics"]}
+    assert metrics == {(TASK, "acc"): 0.6, ("disttrain_tiny_generate", "exact_match (strip)"): 0.35}
+    assert f"| {TASK} | acc | 0.6000 ± 0.1000 | 0.2500 ± 0.0900 |" in card
+    assert "| disttrain_tiny_generate | exact_match (strip) | 0.3500 | - |" in card
+    assert "at most 20 examples per task" in card and "## Evaluation" not in model_card(plain)
+    table = summary_table([summary_row(evaluated), summary_row(plain)]).splitlines()
+    assert table[0].endswith(f"| {TASK} acc | disttrain_tiny_generate exact_match (strip) |")
+    assert table[2].endswith("| 0.6 | 0.35 |") and table[3].endswith("| - | - |")

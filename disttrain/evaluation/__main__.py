@@ -21,8 +21,10 @@ from pathlib import Path
 from disttrain.errors import DisttrainError, exit_on_user_error
 from disttrain.evaluation import harness
 from disttrain.evaluation.target import resolve
+from disttrain.report import eval_results
+from disttrain.report.card import CARD, write_model_card
 
-RESULTS = Path("eval") / "results.json"
+RESULTS = eval_results.RESULTS
 
 
 def main(argv=None) -> dict | None:
@@ -58,8 +60,10 @@ def main(argv=None) -> dict | None:
             return None  # a data-parallel launch: the first process writes
         scored[key] = {"model": model.label, "results": harness.metrics(results)}
     record = _save(target.out_dir / RESULTS, scored, chat, args.limit, results)
-    print(table(record, tasks))
+    print(eval_results.table(record, tasks))
     print(f"eval: {target.out_dir / RESULTS}")
+    if (target.out_dir / "final" / CARD).is_file():  # a run whose card was written: it gains the numbers
+        print(f"eval: model card updated: {write_model_card(target.out_dir)}")
     return record
 
 
@@ -80,25 +84,6 @@ def _lm_eval_version() -> str:
     import importlib.metadata
 
     return importlib.metadata.version("lm_eval")
-
-
-def table(record: dict, tasks: list[str]) -> str:
-    """| task | metric | fine-tuned | base | (stderr beside each value)."""
-    models = [k for k in ("fine_tuned", "base") if k in record["models"]]
-    lines = ["| task | metric | " + " | ".join(k.replace("_", "-") for k in models) + " |",
-             "|---|---|" + "---|" * len(models)]
-    for task in tasks:
-        names = record["models"][models[0]]["results"].get(task, {})
-        for name in sorted(k for k in names if "_stderr" not in k):
-            metric, _, filt = name.partition(",")
-            cells = []
-            for key in models:
-                values = record["models"][key]["results"].get(task, {})
-                err = values.get(f"{metric}_stderr,{filt}")
-                cells.append(f"{values[name]:.4f}" + (f" ± {err:.4f}" if isinstance(err, float) else "")
-                             if name in values else "-")
-            lines.append(f"| {task} | {metric}{'' if filt == 'none' else f' ({filt})'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

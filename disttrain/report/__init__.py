@@ -4,7 +4,9 @@
     card.py    final/README.md: a model card in the Hub's format (YAML header, recipe, data, hardware, results,
                how to load it)
     plots.py   plots/*.png: loss, learning rate, grad norm, tokens/s, MFU against step, resumes marked
-    table.py   one summary row per run (to compare hyper-parameters or strategies)
+    table.py   one summary row per run (to compare hyper-parameters, strategies, and `make eval`'s scores)
+    eval_results.py  <run>/eval/results.json (`make eval`) read back: the card's Evaluation table and
+               model-index, the report's score columns
 
 Everything is read from the run's output dir (recipe.yaml, run.json, data_report.json, metrics.jsonl), so the
 report of a run can be made again at any time.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from disttrain.report import eval_results
 from disttrain.report.table import summary_row
 
 CARD = "README.md"
@@ -46,7 +47,10 @@ def model_card(run_dir: str | Path) -> str:
     lora = recipe.get("lora") is not None
     objective = row["objective"]
     sources = (recipe.get("data", {}).get("sources") or [recipe.get("data", {})])
+    evaluation = eval_results.read(run)  # `make eval`: lm-eval's numbers, in the Hub's model-index too
     header = ModelCardData(
+        model_name="/".join(run.parts[-2:]) if evaluation else None,
+        eval_results=eval_results.model_index(evaluation) if evaluation else None,
         base_model=_hub_id(base), library_name="peft" if lora else "transformers",
         license="other",  # a placeholder: set the license your base model and data allow
         datasets=[d for d in (_hub_id(s.get("path")) for s in sources) if d] or None,
@@ -76,6 +80,11 @@ def model_card(run_dir: str | Path) -> str:
         *[f"| {name} | {value if not isinstance(value, float) else f'{value:.4g}'} |" for name, value in results
           if value is not None], "",
         "![training curves](../plots/overview.png)", "",
+        *(["## Evaluation", "", f"lm-evaluation-harness {evaluation.get('lm_eval')} (`make eval`), "
+           f"{'chat template applied' if evaluation.get('chat_template') else 'plain prompts'}"
+           f"{', at most ' + str(evaluation['limit']) + ' examples per task' if evaluation.get('limit') else ''}; "
+           "the base model with the same tokenizer and prompts:", "", eval_results.table(evaluation), ""]
+          if evaluation else []),
         "## How to load", "", "```python", loader, "```", "",
         "## Recipe", "", "The exact recipe of this run (overrides applied):", "", "```yaml", recipe_text.rstrip(), "```",
     ]

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from disttrain.metrics.log import read_metrics
+from disttrain.report import eval_results
 
 
 def _read_json(path: Path) -> dict:
@@ -40,6 +41,8 @@ def summary_row(run_dir: str | Path) -> dict:
                                             if "tokens_per_s_per_device" in r]),
         "mfu": _median([r["mfu"] for r in train[1:] or train if "mfu" in r]),
         "resumes": sum(1 for r in records if "resumed_from_step" in r),
+        # `make eval`'s numbers of the fine-tuned model ({"task metric": value}), compared across runs
+        "eval": eval_results.scores(evaluation) if (evaluation := eval_results.read(run)) else {},
     }
 
 
@@ -62,10 +65,13 @@ COLUMNS = (("run", "run"), ("strategy", "strategy"), ("processes", "procs"), ("o
 
 
 def summary_table(rows: list[dict]) -> str:
-    """A Markdown table of summary rows (one per run)."""
-    header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
-    lines = [header, "|" + "---|" * len(COLUMNS)]
+    """A Markdown table of summary rows (one per run); then one column per task and metric that `make eval`
+    scored in any of them ("-" where a run was not evaluated on it)."""
+    scored = sorted({name for row in rows for name in row.get("eval", {})})
+    header = "| " + " | ".join([*(title for _, title in COLUMNS), *scored]) + " |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + len(scored))]
     for row in rows:
         cells = [_cell(row[key]) if key != "mfu" or row[key] is None else f"{row[key]:.1%}" for key, _ in COLUMNS]
+        cells += [_cell(row.get("eval", {}).get(name)) for name in scored]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
