@@ -81,15 +81,10 @@ help: ## list targets and variables
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
 
-# uv installs the same resolution as pip in ~25 s instead of ~100 s (measured here, cold caches); where uv
-# cannot be fetched (a closed network with only a wheel folder), pip does it. uv reads no pip config, so pip's
-# find-links (PIP_FIND_LINKS: a local wheel folder, e.g. of the CPU torch build) is passed on.
-UV_ARGS = --native-tls --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	if $(PY) -m pip install -q uv 2>/dev/null; then install="$(VENV)/bin/uv pip install -q $(UV_ARGS)"; \
-	else install="$(PY) -m pip install -q"; fi; \
-	$$install $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && $$install -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
