@@ -59,7 +59,7 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) )))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval report gpu-kit gpu-acceptance clean
+	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -76,7 +76,8 @@ help: ## list targets and variables
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
-	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs; eval: one run, model or adapter dir)"
+	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs; eval: one run, checkpoint, model or adapter dir)"
+	@echo "           CHECKPOINT=<run>/checkpoints/step-N OUT=dir (export)"
 	@echo "           TASKS=$(TASKS) BASE=1 LIMIT=n INCLUDE=dir (eval: lm-eval tasks, the base model too, examples per task, your task YAMLs)"
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
@@ -143,11 +144,15 @@ bench-memory: setup ## loss memory and step time per strategy: plain (full logit
 bench-long: setup ## peak memory per rank at one long sequence, ZeRO-3 vs ZeRO-3 + Ulysses (sp 1, 2) -> bench/long/
 	$(PY) -m disttrain.bench.long --nproc $(GPUS) $(ARGS)
 
+export: setup ## a checkpoint of any strategy (CHECKPOINT=<run>/checkpoints/step-N) as a HF model dir -> OUT (default <run>/exported/step-N)
+	@test -n "$(CHECKPOINT)" || { echo "error: give CHECKPOINT=<run>/checkpoints/step-N" >&2; exit 2; }
+	$(PY) -m disttrain.model.from_checkpoint $(CHECKPOINT) $(OUT)
+
 report: setup ## summary table of RUN (one or several output dirs), with their plots and model cards
 	$(PY) -m disttrain.report $(RUN)
 
-eval: tiny ## score RUN (a run dir, model dir or LoRA adapter) on TASKS with lm-evaluation-harness; BASE=1 adds its base model -> RUN/eval/results.json
-	@test -n "$(RUN)" || { echo "error: give RUN=<a run's output dir, a model dir or an adapter dir>" >&2; exit 2; }
+eval: tiny ## score RUN (a run dir, checkpoint, model dir or LoRA adapter) on TASKS with lm-evaluation-harness; BASE=1 adds its base model -> RUN/eval/results.json
+	@test -n "$(RUN)" || { echo "error: give RUN=<a run's output dir, a checkpoint, a model dir or an adapter dir>" >&2; exit 2; }
 	$(PY) -m disttrain.evaluation --run $(RUN) --tasks $(TASKS) $(if $(filter 1,$(BASE)),--base) \
 	$(if $(LIMIT),--limit $(LIMIT)) $(if $(INCLUDE),--include $(INCLUDE))
 

@@ -40,6 +40,7 @@ def main(argv=None):
 
     from disttrain import data
     from disttrain.data.feed import feed_for
+    from disttrain.evaluation.during_training import scorer_for
     from disttrain.metrics.log import MetricsLogger
     from disttrain.metrics.throughput import meter_for
     from disttrain.metrics.trackers import start_trackers
@@ -58,6 +59,7 @@ def main(argv=None):
     compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp)
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
+    scorer = scorer_for(accelerator, recipe)  # evaluation.tasks (lm-eval) on checkpoints: bad task names stop here
     cfg = recipe.training
     shape = checkpoint.RunShape.of(plan, cfg, recipe.data.streaming)
     resume_from, saved_state = checkpoint.resume_point(recipe.output, shape)  # a bad checkpoint fails now
@@ -126,7 +128,8 @@ def main(argv=None):
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
-                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp)
+                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp,
+                       scorer=scorer)
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

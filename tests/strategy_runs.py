@@ -32,6 +32,10 @@ STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_o
 # the one run that also generates its end-of-run sample (greedy, every rank in step under ZeRO-3's gathered
 # weights: test_strategies asserts it); the others skip it (tests/conftest.base_recipe)
 SAMPLED = {"zero3": {"samples": 1}}
+# the one run that scores its checkpoints with lm-eval while training (evaluation: section; test_evaluation reads
+# the numbers, test_strategies proves that the run still equals one process: the scoring leaves training alone)
+EVAL_TASK, EVAL_LIMIT = "disttrain_tiny_choice", 10
+EVALUATED = {("zero3", False): {"tasks": [EVAL_TASK], "every_steps": CHECKPOINT_EVERY, "limit": EVAL_LIMIT}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
     def make(folder: Path) -> Run:
         processes = 1 if strategy == "single_gpu" else 2
         recipe = matrix_recipe(folder, model_dir, small_data(runs), "run", processes, lora,
-                               logging=SAMPLED.get(strategy, {}))
+                               logging=SAMPLED.get(strategy, {}), evaluation=EVALUATED.get((strategy, lora), {}))
         proc = launch(strategy, recipe, nproc=processes)
         assert_ok(proc)
         return Run(folder / "run", proc.stdout)

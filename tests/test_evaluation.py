@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 from disttrain.errors import DisttrainError
-from strategy_runs import strategy_run
+from strategy_runs import CHECKPOINT_EVERY, EVAL_LIMIT, EVAL_TASK, STEPS, final_weights, strategy_run
 
 LIMIT = "20"
 TASK = "disttrain_tiny_choice"
@@ -54,6 +55,61 @@ def test_a_lora_run_is_evaluated_as_its_adapter_on_the_base_equal_to_its_merged_
     assert merged["models"]["fine_tuned"]["results"][TASK] == adapter["models"]["fine_tuned"]["results"][TASK]
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize("strategy,lora", [("ddp", True), ("fsdp", False), ("fsdp", True), ("zero2", False),
+                                           ("zero3", False), ("zero3", True)])
+def test_a_checkpoint_of_any_strategy_reads_back_as_the_model_it_exported(runs, tiny_model_dir, strategy, lora,
+                                                                        tmp_path):
+    """The last checkpoint (step 10) of the strategy matrix's runs, rebuilt in one process from its own layout
+    (model.safetensors, FSDP2's DCP shards, DeepSpeed's ZeRO partitions), holds exactly the weights the run
+    exported at the end (final/: the whole model, or the adapter)."""
+    from peft import get_peft_model_state_dict
+
+    from disttrain.model import from_checkpoint
+
+    run = strategy_run(runs, tiny_model_dir, strategy, lora).out
+    checkpoint = run / "checkpoints" / f"step-{STEPS:08d}"
+    model, tokenizer, _ = from_checkpoint.load(checkpoint)
+    ours = get_peft_model_state_dict(model) if lora else model.state_dict()
+    exported = final_weights(run, lora)
+    assert set(exported) <= set(ours)
+    for key, value in exported.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
+    if (strategy, lora) == ("fsdp", False):  # make export's command: a directory from_pretrained loads
+        from transformers import AutoModelForCausalLM
+
+        out = from_checkpoint.main([str(checkpoint), str(tmp_path / "exported")])
+        loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        for key, value in exported.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+        assert tokenizer.chat_template and (out / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.launch
+def test_scores_during_training_equal_make_eval_on_the_checkpoints(runs, tiny_model_dir):
+    """The matrix's ZeRO-3 run scores its checkpoints while training (evaluation: every 5 steps, 10 examples;
+    test_strategies shows it still trains like one process). Its numbers in metrics.jsonl are what `make eval`
+    gives afterwards on the same ZeRO-3 checkpoints, and at the last step what it gives on the exported model."""
+    from disttrain.evaluation.__main__ import main
+    from disttrain.metrics.log import read_metrics
+
+    run = strategy_run(runs, tiny_model_dir, "zero3", False).out
+    scored = {r["step"]: r for r in read_metrics(run) if f"lm_eval/{EVAL_TASK}/acc" in r}
+    assert sorted(scored) == list(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    assert all(r["lm_eval_time_s"] > 0 for r in scored.values())
+    for step in scored:
+        name = f"step-{step:08d}"
+        record = main(["--run", str(run / "checkpoints" / name), "--tasks", EVAL_TASK, "--limit", str(EVAL_LIMIT)])
+        theirs = record["models"][name]
+        assert theirs["model"] == str(run / "checkpoints" / name)
+        for metric in ("acc", "acc_norm"):
+            assert scored[step][f"lm_eval/{EVAL_TASK}/{metric}"] == theirs["results"][EVAL_TASK][f"{metric},none"]
+    final = main(["--run", str(run), "--tasks", EVAL_TASK, "--limit", str(EVAL_LIMIT)])["models"]["fine_tuned"]
+    assert final["results"][EVAL_TASK]["acc,none"] == scored[STEPS][f"lm_eval/{EVAL_TASK}/acc"]
+    assert scored[CHECKPOINT_EVERY][f"lm_eval/{EVAL_TASK}/acc_norm"] is not None
+    assert not list((run / "eval").glob("*.model")), "the checkpoint's temporary export is removed"
+
+
 @pytest.mark.heavy
 def test_bad_input_is_one_line(tmp_path, tiny_model_dir):
     from disttrain.evaluation.__main__ import main
@@ -83,7 +139,42 @@ def test_bad_input_is_one_line(tmp_path, tiny_model_dir):
     assert "names no base model" in error("--run", str(model), "--base")
     proc = subprocess.run(["make", "-s", "eval"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert proc.stderr.splitlines()[0] == "error: give RUN=<a run's output dir, a model dir or an adapter dir>"
+    assert proc.stderr.splitlines()[0] == ("error: give RUN=<a run's output dir, a checkpoint, a model dir or an "
+                                           "adapter dir>")
+    assert "not a complete checkpoint" in error_of([str(unfinished)])
+    from disttrain.evaluation.during_training import CheckpointScorer
+    from disttrain.recipe.schema import EvaluationSection
+
+    with pytest.raises(DisttrainError, match="unknown task 'disttrain_tiny_choise'"):  # train.py stops at start-up
+        CheckpointScorer(None, EvaluationSection(tasks=["disttrain_tiny_choise"], every_steps=5))
+
+
+def error_of(argv: list[str]) -> str:
+    """make export's one line (python -m disttrain.model.from_checkpoint)."""
+    from disttrain.model.from_checkpoint import main
+
+    with pytest.raises(DisttrainError) as caught:
+        main(argv)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("evaluation,checkpoint_every,message", [
+    ({"tasks": [TASK]}, 5, "evaluation.tasks is set: give evaluation.every_steps too"),
+    ({"tasks": [TASK], "every_steps": 6}, 4, "evaluation.every_steps=6 scores the checkpoints training writes: it "
+                                             "must be a multiple of output.checkpoint_every (now 4)"),
+    ({"tasks": [TASK], "every_steps": 6}, None, "must be a multiple of output.checkpoint_every (now None)"),
+])
+def test_evaluation_during_training_is_refused_in_one_line_without_checkpoints_to_score(
+        tmp_path, tiny_model_dir, evaluation, checkpoint_every, message):
+    from conftest import base_recipe, write_recipe
+    from disttrain.recipe.schema import RecipeError, load_recipe
+
+    tree = base_recipe(tiny_model_dir, tmp_path / "out", evaluation=evaluation,
+                       output={"checkpoint_every": checkpoint_every})
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(write_recipe(tmp_path / "r.yaml", tree))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_scores_reach_the_model_card_and_the_report(tmp_path):
@@ -122,3 +213,29 @@ def test_scores_reach_the_model_card_and_the_report(tmp_path):
     table = summary_table([summary_row(evaluated), summary_row(plain)]).splitlines()
     assert table[0].endswith(f"| {TASK} acc | disttrain_tiny_generate exact_match (strip) |")
     assert table[2].endswith("| 0.6 | 0.35 |") and table[3].endswith("| - | - |")
+
+
+def test_scoring_during_training_puts_the_random_generators_back():
+    """lm-eval seeds python's, numpy's and torch's generators; training continues from the states it had (the
+    control: the same seeding outside the guard changes what training draws next)."""
+    import random
+
+    import numpy as np
+
+    from disttrain.evaluation.during_training import _rng_put_back
+
+    def lm_eval_seeding():
+        random.seed(0), np.random.seed(1234), torch.manual_seed(1234)
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    expected = draws()
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    with _rng_put_back():
+        lm_eval_seeding()
+    assert draws() == expected
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    lm_eval_seeding()
+    assert all(a != b for a, b in zip(draws(), expected))

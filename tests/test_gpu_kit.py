@@ -70,7 +70,12 @@ def test_the_pure_python_parts_install_into_a_target_and_import_from_it(tmp_path
     assert record["pins"] == [], record["pins"]  # the versions CI tests meet every range
     modules = {"pydantic": "pydantic", "annotated-types": "annotated_types", "typing-inspection":
                "typing_inspection", "typing-extensions": "typing_extensions", "datasets": "datasets",
-               "dill": "dill", "multiprocess": "multiprocess", "hjson": "hjson", "trl": "trl"}
+               "dill": "dill", "multiprocess": "multiprocess", "hjson": "hjson", "trl": "trl",
+               # lm-evaluation-harness and what it needs (the eval_during_training item)
+               "lm_eval": "lm_eval", "evaluate": "evaluate", "more-itertools": "more_itertools",
+               "pytablewriter": "pytablewriter", "DataProperty": "dataproperty", "mbstrdecoder": "mbstrdecoder",
+               "pathvalidate": "pathvalidate", "tabledata": "tabledata", "tcolorpy": "tcolorpy", "typepy": "typepy",
+               "chardet": "chardet", "nltk": "nltk", "defusedxml": "defusedxml", "sacrebleu": "sacrebleu"}
     assert {r["name"] for r in pure} == set(modules)
     probe = ("import importlib, json, sys; print(json.dumps({m: importlib.import_module(m).__file__ "
              f"for m in {sorted(modules.values())!r}}}))")

@@ -1,6 +1,7 @@
-"""`make eval RUN=<run dir | model dir | adapter dir> TASKS=a,b [BASE=1] [LIMIT=n] [INCLUDE=dir]`:
+"""`make eval RUN=<run dir | checkpoint | model dir | adapter dir> TASKS=a,b [BASE=1] [LIMIT=n] [INCLUDE=dir]`:
 lm-evaluation-harness on the run's model (and, with BASE=1, on the base model it was fine-tuned from, with the
-same tokenizer and prompts); the numbers go to <run>/eval/results.json and are printed side by side.
+same tokenizer and prompts); the numbers go to <run>/eval/results.json and are printed side by side. A checkpoint
+(<run>/checkpoints/step-N, any strategy) is exported to a model dir first and scored in a column of its own.
 
     python -m disttrain.evaluation --run outputs/tiny-sft/ddp-2 --tasks disttrain_tiny_choice --base
     python -m disttrain.evaluation --run outputs/qwen-run --tasks arc_easy,hellaswag --base   # lm-eval's tasks
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
 from disttrain.evaluation import harness
-from disttrain.evaluation.target import resolve
+from disttrain.evaluation.target import opened
 from disttrain.report import eval_results
 from disttrain.report.card import CARD, write_model_card
 
@@ -29,7 +30,7 @@ RESULTS = eval_results.RESULTS
 
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="a run's output dir, a model dir or a LoRA adapter dir")
+    parser.add_argument("--run", required=True, help="a run's output dir, a checkpoint, a model dir or an adapter dir")
     parser.add_argument("--tasks", default="disttrain_tiny_choice", help="comma-separated lm-eval task names")
     parser.add_argument("--base", action="store_true", help="also evaluate the base model it was fine-tuned from")
     parser.add_argument("--include", action="append", default=[], help="a directory of your own task YAMLs")
@@ -39,12 +40,16 @@ def main(argv=None) -> dict | None:
                         help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
     args = parser.parse_args(argv)
 
-    import torch
-
-    target = resolve(args.run)
     tasks = [t for t in args.tasks.split(",") if t]
     manager = harness.task_manager(args.include, tasks)
     harness.check_tasks(manager, tasks)
+    with opened(args.run) as target:
+        return _evaluate(args, target, tasks, manager)
+
+
+def _evaluate(args, target, tasks: list[str], manager) -> dict | None:
+    import torch
+
     if args.base and target.base is None:
         raise DisttrainError(f"make eval: BASE=1, but {args.run} names no base model (no adapter config, no "
                              "recipe.yaml beside it); evaluate the base separately with RUN=<its dir or name>")
@@ -52,7 +57,7 @@ def main(argv=None) -> dict | None:
     chat = args.chat_template == "yes" or (args.chat_template == "auto" and harness.has_chat_template(tokenizer))
     gpu = torch.cuda.is_available()
     batch = args.batch_size or ("auto" if gpu else 8)
-    models = {"fine_tuned": target.model, **({"base": target.base} if args.base else {})}
+    models = {target.key: target.model, **({"base": target.base} if args.base else {})}
     scored = {}
     for key, model in models.items():
         results = harness.evaluate(model, tasks, manager, tokenizer, chat, args.limit, batch, "cuda" if gpu else "cpu")
@@ -60,7 +65,7 @@ def main(argv=None) -> dict | None:
             return None  # a data-parallel launch: the first process writes
         scored[key] = {"model": model.label, "results": harness.metrics(results)}
     record = _save(target.out_dir / RESULTS, scored, chat, args.limit, results)
-    print(eval_results.table(record, tasks))
+    print(eval_results.table(record, tasks, list(scored)))
     print(f"eval: {target.out_dir / RESULTS}")
     if (target.out_dir / "final" / CARD).is_file():  # a run whose card was written: it gains the numbers
         print(f"eval: model card updated: {write_model_card(target.out_dir)}")

@@ -77,6 +77,18 @@ def evaluate(model: Model, tasks: list[str], manager, tokenizer_dir: str | None,
                                    apply_chat_template=chat_template, log_samples=False)
 
 
+def evaluate_loaded(model, tokenizer, tasks: list[str], manager, chat_template: bool, limit: int | None,
+                    batch_size: str | int) -> dict:
+    """lm-eval on a model already in memory (evaluation during training): its `hf` model wraps the object, on the
+    device it is on, as one process (lm-eval sets up no data-parallel group for a model object)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                   apply_chat_template=chat_template, log_samples=False)
+
+
 def metrics(results: dict) -> dict[str, dict[str, float]]:
     """{task: {"acc,none": 0.26, "acc_stderr,none": 0.044, ...}}: lm-eval's own metric names (metric,filter)."""
     return {task: {k: v for k, v in values.items() if "," in k and isinstance(v, (int, float))}

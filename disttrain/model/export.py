@@ -28,7 +28,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if merge_lora and is_peft_model(unwrapped):
-            with _without_zero3_init(accelerator):
+            with without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)
             tokenizer.save_pretrained(tmp / "merged")  # a model dir of its own: from_pretrained loads both
         tokenizer.save_pretrained(tmp)
@@ -40,7 +40,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
 
 
 @contextmanager
-def _without_zero3_init(accelerator):
+def without_zero3_init(accelerator):
     """While a ZeRO-3 config is registered, transformers builds every model inside DeepSpeed's zero.Init, whose
     partitioning is a collective: the merged copy, built on the main process alone, would wait there for
     ranks that never join (the export hung under ZeRO-3). Unregistered meanwhile, restored after."""

@@ -265,6 +265,19 @@ class OutputSection(_Section):
         return self.dir.format(strategy=strategy, processes=processes)
 
 
+class EvaluationSection(_Section):
+    """lm-evaluation-harness tasks scored during training, on the checkpoints it writes (off by default)."""
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task names (its registry or local YAMLs, as "
+                             "`make eval TASKS=`); empty: no evaluation during training")
+    every_steps: int | None = Field(None, ge=1, description="Score the checkpoint written at every multiple of this "
+                                    "many steps (a multiple of output.checkpoint_every): the main process rebuilds "
+                                    "the model from it while the other ranks wait")
+    limit: int | None = Field(None, ge=1, description="At most this many examples per task: keep it cheap")
+    include: list[str] = Field(default_factory=list, description="Directories of your own task YAMLs")
+    chat_template: Literal["auto", "yes", "no"] = "auto"
+    batch_size: int | Literal["auto"] = Field(8, description="lm-eval's batch size (auto: it probes the largest)")
+
+
 class DistributedSection(_Section):
     timeout_s: int = Field(1800, ge=1, description="Process-group timeout: how long a rank waits in a collective "
                            "for the others (raise it when tokenising a huge dataset on the main process)")
@@ -290,6 +303,7 @@ class Recipe(_Section):
     preference: PreferenceSection = PreferenceSection()
     logging: LoggingSection = LoggingSection()
     distributed: DistributedSection = DistributedSection()
+    evaluation: EvaluationSection = EvaluationSection()
     output: OutputSection
 
     @model_validator(mode="after")
@@ -297,11 +311,21 @@ class Recipe(_Section):
         if self.model.quantization and self.lora is None:
             raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
         self._check_objective()
+        self._check_evaluation()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming: true needs training.max_steps (a stream has no length to count "
                              "epochs in)")
         return self
 
+
+    def _check_evaluation(self) -> None:
+        every, saved = self.evaluation.every_steps, self.output.checkpoint_every
+        if self.evaluation.tasks and every is None:
+            raise ValueError("evaluation.tasks is set: give evaluation.every_steps too (a multiple of "
+                             "output.checkpoint_every), or use `make eval` after the run")
+        if every is not None and (saved is None or every % saved):
+            raise ValueError(f"evaluation.every_steps={every} scores the checkpoints training writes: it must be a "
+                             f"multiple of output.checkpoint_every (now {saved})")
 
     def _check_objective(self) -> None:
         pairs = [s.format == "preference" for s in self.data.all_sources()]

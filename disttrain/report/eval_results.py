@@ -28,9 +28,10 @@ def _metric_name(name: str) -> str:
     return metric if filt in ("", "none") else f"{metric} ({filt})"
 
 
-def table(record: dict, tasks: list[str] | None = None) -> str:
-    """| task | metric | fine-tuned | base |, each value with its standard error."""
-    models = [k for k in MODELS if k in record["models"]]
+def table(record: dict, tasks: list[str] | None = None, models: list[str] | None = None) -> str:
+    """| task | metric | fine-tuned | base |, each value with its standard error; `models`: other columns (the
+    checkpoints a `make eval` scored, step-00000120)."""
+    models = models or [k for k in MODELS if k in record["models"]]
     first = record["models"][models[0]]["results"]
     lines = ["| task | metric | " + " | ".join(k.replace("_", "-") for k in models) + " |",
              "|---|---|" + "---|" * len(models)]

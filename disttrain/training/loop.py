@@ -201,7 +201,7 @@ class _Window:
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1) -> TrainState:
+          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, scorer=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
@@ -211,6 +211,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
     transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
     `data_rank_size`: consecutive processes sharing rows (ParallelPlan.sp), compared as one in the spread.
+    `scorer` (due(step) / scorer(checkpoint) -> record) scores the checkpoints it is due for with lm-eval.
     """
     token_loss = token_loss or TokenLoss(model, "plain")
     ga = accelerator.gradient_accumulation_steps
@@ -282,6 +283,10 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
                 guards.at("saving a checkpoint", step)
                 _, took = window.timed_apart(lambda: checkpointer.save(state))
                 log({"checkpoint_time_s": took}, state.step)
+                if scorer is not None and scorer.due(state.step) and not stop:
+                    guards.at("scoring the checkpoint with lm-eval (main process; the other ranks wait)", step)
+                    scored, took = window.timed_apart(lambda: scorer(checkpointer.last_saved))
+                    log({**scored, "lm_eval_time_s": took}, state.step)
             if stop or last:
                 return state
     return state

@@ -99,6 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import FAIL, INFO, MAX_LOG_TAIL, PASS, REPO, SKIP, Ctx, Fail, Settings, Skip  # noqa: E402
 from items.adapters import adapter  # noqa: E402
 from items.dpo import dpo  # noqa: E402
+from items.evaluation import eval_during_training  # noqa: E402
 from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
 from items.moe import moe_lora  # noqa: E402
@@ -137,6 +138,7 @@ ITEMS = [
     Item("qlora_fsdp", partial(adapter, config="fsdp", quantized=True), 20, 60, False),
     Item("adamw_8bit", adamw_8bit, 15, 60, False),
     Item("dpo", dpo, 50, 150, True),
+    Item("eval_during_training", eval_during_training, 30, 120, True),
     Item("moe_lora", moe_lora, 25, 90, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
@@ -166,7 +168,7 @@ def environment(dry_run: bool) -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
             "packages": {d: version(d) for d in ("accelerate", "transformers", "peft", "pydantic", "datasets",
-                                                 "deepspeed", "bitsandbytes", "flash-attn", "wandb")}}
+                                                 "deepspeed", "bitsandbytes", "flash-attn", "wandb", "lm_eval")}}
 
 
 def prepare(ctx: Ctx) -> None:

@@ -63,6 +63,23 @@ KIT = [
     Part("hjson", "pure", "deepspeed"),
     Part("bitsandbytes", "slim", "QLoRA and adamw_8bit items"),
     Part("trl", "pure", "loss_memory item: TRL's fused LM head (training.loss_impl: trl) beside the chunked loss"),
+    Part("lm_eval", "pure", "eval_during_training item: lm-evaluation-harness (evaluation: section, make eval)"),
+    Part("evaluate", "pure", "lm_eval"),
+    Part("more-itertools", "pure", "lm_eval"),
+    Part("pytablewriter", "pure", "lm_eval"),
+    Part("DataProperty", "pure", "pytablewriter"),
+    Part("mbstrdecoder", "pure", "pytablewriter"),
+    Part("pathvalidate", "pure", "pytablewriter"),
+    Part("tabledata", "pure", "pytablewriter"),
+    Part("tcolorpy", "pure", "pytablewriter"),
+    Part("typepy", "pure", "pytablewriter"),
+    Part("chardet", "pure", "mbstrdecoder"),
+    Part("rouge-score", "build", "lm_eval (a source archive on PyPI: built here, pure Python)"),
+    Part("nltk", "pure", "rouge-score"),
+    Part("defusedxml", "pure", "nltk"),
+    Part("sacrebleu", "pure", "lm_eval"),
+    Part("sqlitedict", "build", "lm_eval (a source archive on PyPI: built here)"),
+    Part("word2number", "build", "lm_eval (a source archive on PyPI: built here)"),
 ]
 
 # The GPU image's Python packages (device notes, read 2026-11-17): carried packages need nothing else.
