@@ -4,10 +4,9 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --recipe recipes/tiny/sft.yaml
     accelerate launch ... train.py --recipe recipes/qwen2.5-7b/lora_sft.yaml training.lr=1e-4 output.dir=out
 
-The recipe says what to train; the accelerate config says how to distribute it. This file is the story of
-one run, each step one call into disttrain/; three seams keep it free of branches: the parallel plan, the
-data feed and the objective. The same command again resumes from the newest complete checkpoint.
-"""
+The recipe says what to train; the accelerate config how to distribute it. This file is the story of one run,
+each step one call into disttrain/; three seams keep it free of branches: the parallel plan, the data feed and
+the objective. The same command again resumes from the newest complete checkpoint."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def main(argv=None):
 
     from disttrain import data
     from disttrain.data.feed import feed_for
-    from disttrain.evaluation.during_training import scorer_for
+    from disttrain.evaluation.during_training import scorer_for  # the recipe's evaluation: (lm-eval on checkpoints)
     from disttrain.metrics.log import MetricsLogger
     from disttrain.metrics.throughput import meter_for
     from disttrain.metrics.trackers import start_trackers
@@ -59,7 +58,7 @@ def main(argv=None):
     compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp)
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
-    scorer = scorer_for(accelerator, recipe)  # evaluation.tasks (lm-eval) on checkpoints: bad task names stop here
+    scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here
     cfg = recipe.training
     shape = checkpoint.RunShape.of(plan, cfg, recipe.data.streaming)
     resume_from, saved_state = checkpoint.resume_point(recipe.output, shape)  # a bad checkpoint fails now
@@ -127,9 +126,8 @@ def main(argv=None):
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
-                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak,
-                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp,
-                       scorer=scorer)
+                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, scorer=scorer,
+                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp)
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "
@@ -148,6 +146,5 @@ if __name__ == "__main__":
     # Everything is written and the process group and trackers are closed. Skip interpreter teardown:
     # there a C++ thread of the distributed stack sometimes aborts a finished rank ("terminate called
     # without an active exception", SIGABRT), which fails the whole launch after a good run.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
