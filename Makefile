@@ -19,6 +19,8 @@ NODES       ?= 1
 HSDP_REPLICAS ?= $(NODES)
 # train-zero3-ulysses: processes per sequence (Ulysses sequence parallelism; at most the GPUs of a node)
 SP          ?= 2
+# train-fsdp-cp: processes per sequence around the attention ring (context parallelism)
+CP          ?= 2
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
@@ -56,9 +58,11 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	$(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) ))) \
 	$(if $(filter zero3_ulysses,$(1)),--parallelism_config_sp_size $(SP) \
-	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) )))
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) ))) \
+	$(if $(filter fsdp_cp,$(1)),--parallelism_config_cp_size $(CP) \
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(CP) )))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
 	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
@@ -72,6 +76,7 @@ help: ## list targets and variables
 	@echo "           MAX_RESTARTS=$(MAX_RESTARTS) (restart all workers after a failure, up to N times; they resume)"
 	@echo "           HSDP_REPLICAS=$(HSDP_REPLICAS) (train-hsdp: replica groups, default one per node; each sharded over GPUS x NODES / HSDP_REPLICAS processes)"
 	@echo "           SP=$(SP) (train-zero3-ulysses: processes per sequence; GPUS x NODES / SP groups read different rows)"
+	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
@@ -107,6 +112,9 @@ train-fsdp-offload: tiny ## FSDP2 with parameters and optimizer states offloaded
 
 train-hsdp: tiny ## FSDP2 sharded within HSDP_REPLICAS groups (default: one per node), replicated across them
 	$(call LAUNCH,hsdp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-fsdp-cp: tiny ## FSDP2 + context parallelism: each sequence split over CP processes, ring attention (long context)
+	$(call LAUNCH,fsdp_cp) train.py --recipe $(RECIPE) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

@@ -55,7 +55,7 @@ def main(argv=None):
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
-    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp)
+    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp, plan.cp)
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here
@@ -95,7 +95,6 @@ def main(argv=None):
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     if cfg.neftune_alpha:  # noisy embeddings while training (transformers' own hook; eval is untouched)
         from transformers.integrations.neftune import activate_neftune
-
         activate_neftune(model, cfg.neftune_alpha, accelerator)
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
@@ -126,8 +125,9 @@ def main(argv=None):
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
-                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, scorer=scorer,
-                       distributed=recipe.distributed, token_loss=loss, sampler=sampler, data_rank_size=plan.sp)
+                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, sampler=sampler,
+                       distributed=recipe.distributed, token_loss=loss, data_rank_size=plan.group, scorer=scorer,
+                       micro_batch_context=plan.micro_batch_context(accelerator))
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

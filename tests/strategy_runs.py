@@ -104,3 +104,14 @@ def assert_same_run(a: Path, b: Path, lora: bool, steps: int = STEPS, first_step
     wa, wb = final_weights(a, lora), final_weights(b, lora)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def assert_trains_like_one_process(out: Path, ref: Path, lora: bool) -> None:
+    """A sequence mesh's run (one group reading the one-process batch) against the one-process reference: each
+    step logged once, losses 1e-4, exported weights (none empty) 1e-4/1e-3, as every strategy of the matrix."""
+    assert sorted(losses(out)) == list(range(1, STEPS + 1))
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-4)
+    ours, single = final_weights(out, lora), final_weights(ref, lora)
+    assert set(ours) == set(single) and all(v.abs().sum() > 0 for v in ours.values())
+    for key, value in single.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)

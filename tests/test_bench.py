@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
+from disttrain.errors import DisttrainError
 from disttrain.bench.strategies import main as bench_main
 from disttrain.bench.strategies import summarize
 from disttrain.bench.overhead import main as overhead_main
@@ -138,10 +140,28 @@ def test_bench_long_measures_activations_per_rank_with_and_without_ulysses(tmp_p
     long_main(["--seq", "1024", "--floor-seq", "64", "--hidden", "128", "--layers", "2", "--heads", "4",
                "--steps", "3", "--warmup", "1", "--out", str(out)])
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["sp"], r["config"]) for r in rows] == [(1, "zero3"), (2, "zero3_ulysses")]
+    assert [(r["mesh"], r["size"], r["config"]) for r in rows] == [("sp", 1, "zero3"), ("sp", 2, "zero3_ulysses")]
     for r in rows:
         assert r["long_peak_gb"] > 0 and r["floor_peak_gb"] > 0 and r["step_s"] > 0
         assert r["activations_gb"] == pytest.approx(r["long_peak_gb"] - r["floor_peak_gb"])
-    assert rows[0]["activations_vs_sp1"] == 1.0
-    assert rows[1]["activations_vs_sp1"] == pytest.approx(rows[1]["activations_gb"] / rows[0]["activations_gb"])
-    assert "| 2 | zero3_ulysses |" in (out / "results.md").read_text()
+    assert rows[0]["activations_vs_size1"] == 1.0
+    assert rows[1]["activations_vs_size1"] == pytest.approx(rows[1]["activations_gb"] / rows[0]["activations_gb"])
+    assert "| sp | 2 | zero3_ulysses |" in (out / "results.md").read_text()
+
+
+def test_bench_long_launches_each_mesh_with_its_config_and_sizes():
+    """The context-parallel rows (measured once by hand, docs/benchmarks.md: a launch pair each) get FSDP2's
+    configs, the cp flags, and on a CPU the test-only ring kernel; a size that does not divide is one line."""
+    from disttrain.bench.long import launch_args
+    from disttrain.runtime.launcher import REPO as ROOT
+
+    assert launch_args("cp", 1, 2) == ("fsdp", [], {})
+    config, flags, env = launch_args("cp", 2, 4)
+    assert (config, flags) == ("fsdp_cp", ["--parallelism_config_cp_size", "2", "--parallelism_config_dp_shard_size",
+                                           "2"])
+    assert torch.cuda.is_available() or env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "tests" / "cpu_ring")
+    assert (ROOT / "tests" / "cpu_ring" / "sitecustomize.py").is_file()
+    assert launch_args("sp", 2, 2)[:2] == ("zero3_ulysses", ["--parallelism_config_sp_size", "2",
+                                                             "--parallelism_config_dp_shard_size", "1"])
+    with pytest.raises(DisttrainError, match="--cp 3 must divide --nproc 4"):
+        launch_args("cp", 3, 4)

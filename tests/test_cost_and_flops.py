@@ -191,6 +191,19 @@ def test_meshes_hsdp_shards_states_within_a_replica_and_ulysses_divides_activati
     assert "zero3_ulysses" not in rows
     with pytest.raises(DisttrainError, match="--sp 3 must divide --gpus 8"):
         main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--sp", "3"])
+    # --cp C: the fsdp_cp row holds FSDP2's states over all GPUs and 1/C of the activations; the 64k recipe fits
+    # with CP=8 and without recomputation, where FSDP2 alone does not (and CP=4 does not either)
+    main(["--recipe", str(REPO / "recipes/llama-3.1-8b/long_sft_64k.yaml"), "--tokens", "1e9", "--gpus", "8",
+          "--cp", "8", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    ring, fsdp = rows["fsdp_cp"], rows["fsdp"]
+    assert ring["states_gb"] == fsdp["states_gb"] and ring["activations_gb"] < fsdp["activations_gb"] / 7.9
+    assert ring["fits"] and not fsdp["fits"] and "zero3_ulysses" not in rows
+    main(["--recipe", str(REPO / "recipes/llama-3.1-8b/long_sft_64k.yaml"), "--tokens", "1e9", "--gpus", "8",
+          "--cp", "4", "--json"])
+    assert not {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["fsdp_cp"]["fits"]
+    with pytest.raises(DisttrainError, match="--cp 3 must divide --gpus 8"):
+        main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--cp", "3"])
 
 
 def test_preference_reference_memory_and_flops(tmp_path):

@@ -72,8 +72,13 @@ def test_hsdp_resumes_exactly_on_its_mesh_and_refuses_another(hsdp_run, runs, ti
      "dp_replicate_size=2 x dp_shard_size=4 must equal the 4 processes launched"),
     ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"},
      "tp_size=2 is not supported yet"),
-    ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "2"},
-     "cp_size=2 is not supported yet"),
+    # context parallelism (tests/test_context_parallel.py): FSDP2's, one dimension of groups, covering the processes
+    ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "2"},
+     "dp_shard_size=1 x cp_size=2 must equal the 4 processes launched"),
+    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "2"},
+     "cp_size=2 needs FSDP2 without dp_replicate or sp"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+     "cp_size=2 needs FSDP2"),
     # Ulysses (tests/test_ulysses.py): DeepSpeed's, and its groups must cover the processes too
     ({"PARALLELISM_CONFIG_SP_SIZE": "2"}, "sp_size=2 needs DeepSpeed"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"},

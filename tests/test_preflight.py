@@ -32,8 +32,10 @@ SHIPPED = {
     "qwen3-30b-a3b/lora_sft.yaml": "zero3",
     "qwen3-30b-a3b/full_sft.yaml": "fsdp",
     "mixtral-8x7b/lora_sft.yaml": "fsdp",
-    # the meshes: Ulysses (2 processes, one sequence group) and HSDP (4 processes, 2 replicas x 2 shards)
+    # the meshes: Ulysses and context parallelism (2 processes, one sequence group; the ring on the CPU kernel:
+    # tests/cpu_ring) and HSDP (4 processes, 2 replicas x 2 shards)
     "qwen2.5-7b/long_sft_32k.yaml": "zero3_ulysses",
+    "llama-3.1-8b/long_sft_64k.yaml": "fsdp_cp",
     "qwen2.5-32b/full_sft_hsdp.yaml": "hsdp",
 }
 MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mixtral-8x7b/"))]

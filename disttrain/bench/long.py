@@ -1,15 +1,20 @@
-"""`make bench-long`: the memory a long sequence takes per rank, whole on every process vs cut by Ulysses.
+"""`make bench-long`: the memory a long sequence takes per rank, whole on every process vs cut by Ulysses (under
+ZeRO-3) or by context parallelism (under FSDP2).
 
     python -m disttrain.bench.long                                  # CPU defaults below
-    python -m disttrain.bench.long --seq 32768 --hidden 4096 --layers 4 --sp 2,4 --nproc 4   # on GPUs
+    python -m disttrain.bench.long --cp 1,2                         # context parallelism too
+    python -m disttrain.bench.long --seq 32768 --hidden 4096 --layers 4 --sp 1,2,4 --cp 1,2,4 --nproc 4  # GPUs
 
 A Llama-shaped model with a wide body and a small vocabulary (the layers' activations dominate, not the
-logits) is made locally; rows of `--seq` tokens, all targets, no padding. For each sequence-parallel size in
-`--sp` (1: accelerate_configs/zero3.yaml, every process a whole sequence; S > 1: zero3_ulysses.yaml with S
-processes per sequence) on `--nproc` processes, two launches of train.py:
+logits) is made locally; rows of `--seq` tokens, all targets, no padding. For each size in `--sp` (1:
+accelerate_configs/zero3.yaml, every process a whole sequence; S > 1: zero3_ulysses.yaml with S processes per
+sequence) and in `--cp` (1: fsdp.yaml; C > 1: fsdp_cp.yaml, C processes around the attention ring) on
+`--nproc` processes, two launches of train.py:
 - long:  rows of `--seq` tokens;
 - floor: the same model, strategy and steps on rows of `--floor-seq` tokens: everything but the sequence.
-Activations per rank = peak(long) - peak(floor); the expectation is ~1/S of sp=1's. Peak memory per rank,
+Activations per rank = peak(long) - peak(floor); the expectation is ~1/S of size 1's (the same strategy without
+the cut). On a CPU, torch's ring attention needs the test-only CPU kernel mapping (tests/cpu_ring, put on
+PYTHONPATH for those launches and said in the results): torch maps only its CUDA kernels. Peak memory per rank,
 max over ranks: `torch.cuda.max_memory_allocated` on GPUs, peak RSS on CPUs (hence the floor, measured the
 same way). Also the step time (median after warm-up) and tokens/s per device.
 Writes <out>/results.json and results.md (default bench/long).
@@ -29,6 +34,7 @@ import yaml
 from disttrain.bench.memory import build_model, build_text
 from disttrain.bench.strategies import run_strategy, summarize
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.runtime.launcher import cpu_ring_env
 
 
 def recipe(model_dir: Path, data: Path, seq: int) -> dict:
@@ -39,14 +45,22 @@ def recipe(model_dir: Path, data: Path, seq: int) -> dict:
             "logging": {"report_to": ["none"]}, "output": {"dir": "unused"}}
 
 
-def launch_args(sp: int, nproc: int) -> tuple[str, list[str]]:
-    """The accelerate config and launcher flags of a sequence-parallel size."""
-    if sp == 1:
-        return "zero3", []
-    if nproc % sp:
-        raise DisttrainError(f"bench-long: --sp {sp} must divide --nproc {nproc}")
-    return "zero3_ulysses", ["--parallelism_config_sp_size", str(sp),
-                             "--parallelism_config_dp_shard_size", str(nproc // sp)]
+MESHES = {"sp": ("zero3", "zero3_ulysses"), "cp": ("fsdp", "fsdp_cp")}  # size 1, size > 1
+
+
+def launch_args(mesh: str, size: int, nproc: int) -> tuple[str, list[str], dict]:
+    """The accelerate config, launcher flags and environment of a sequence-parallel (sp) or context-parallel
+    (cp) size."""
+    plain, cut = MESHES[mesh]
+    if size == 1:
+        return plain, [], {}
+    if nproc % size:
+        raise DisttrainError(f"bench-long: --{mesh} {size} must divide --nproc {nproc}")
+    import torch
+
+    env = cpu_ring_env() if mesh == "cp" and not torch.cuda.is_available() else {}
+    return cut, [f"--parallelism_config_{mesh}_size", str(size),
+                 "--parallelism_config_dp_shard_size", str(nproc // size)], env
 
 
 def measure(args) -> list[dict]:
@@ -58,14 +72,16 @@ def measure(args) -> list[dict]:
     model_dir = build_model(out, args.vocab, args.seq, **body)
     text = build_text(out, args.seq, rows=args.steps * args.nproc)
     rows = []
-    for sp in [int(s) for s in args.sp.split(",")]:
-        config, flags = launch_args(sp, args.nproc)
-        row = {"sp": sp, "config": config, "processes": args.nproc}
+    sizes = [(mesh, int(s)) for mesh in ("sp", "cp") for s in getattr(args, mesh).split(",") if s]
+    for mesh, size in sizes:
+        config, flags, env = launch_args(mesh, size, args.nproc)
+        row = {"mesh": mesh, "size": size, "config": config, "processes": args.nproc,
+               **({"cpu_ring_kernel": "tests/cpu_ring (test-only)"} if env else {})}
         for run, seq in (("long", args.seq), ("floor", args.floor_seq)):
-            path = out / f"sp{sp}_{run}.yaml"
+            path = out / f"{mesh}{size}_{run}.yaml"
             path.write_text(yaml.safe_dump(recipe(model_dir, text, seq)))
-            records = run_strategy(str(path), config, args.nproc, args.steps, out / f"sp{sp}_{run}", [],
-                                   timeout_s=args.timeout, launcher_args=tuple(flags))
+            records = run_strategy(str(path), config, args.nproc, args.steps, out / f"{mesh}{size}_{run}", [],
+                                   timeout_s=args.timeout, launcher_args=tuple(flags), env=env)
             summary = summarize(config, records, args.warmup)
             row[f"{run}_peak_gb"] = summary["peak_mem_gb"]
             if run == "long":
@@ -85,30 +101,35 @@ def write(out: Path, args, rows: list[dict]) -> None:
     meta = {"seq": args.seq, "floor_seq": args.floor_seq, "hidden": args.hidden, "layers": args.layers,
             "heads": args.heads, "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup,
             "processes": args.nproc, "device": device, "torch": torch.__version__, "memory": memory}
-    base = next((r for r in rows if r["sp"] == 1), None)
+    bases = {r["mesh"]: r for r in rows if r["size"] == 1}
     for r in rows:
-        if base is not None:
-            r["activations_vs_sp1"] = r["activations_gb"] / base["activations_gb"]
-            r["step_time_vs_sp1"] = r["step_s"] / base["step_s"]
+        base = bases.get(r["mesh"])
+        if base is not None:  # against the same strategy without the cut
+            r["activations_vs_size1"] = r["activations_gb"] / base["activations_gb"]
+            r["step_time_vs_size1"] = r["step_s"] / base["step_s"]
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# Long sequences: {args.seq} tokens, hidden {args.hidden} x {args.layers} layers, "
-             f"{args.nproc} processes under ZeRO-3", "",
+             f"{args.nproc} processes", "",
              f"{device}, torch {meta['torch']}; peak memory per rank = {memory}, max over ranks; activations = "
              f"peak - floor (the same run on {args.floor_seq}-token rows); step time = median after "
-             f"{args.warmup} warm-up steps", "",
-             "| sp | config | peak (GB) | floor (GB) | activations (GB) | vs sp=1 | step time (s) | vs sp=1 "
-             "| tokens/s per device |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{args.warmup} warm-up steps; 'vs size 1' = against the same strategy without the cut", "",
+             "| mesh | size | config | peak (GB) | floor (GB) | activations (GB) | vs size 1 | step time (s) | "
+             "vs size 1 | tokens/s per device |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['sp']} | {r['config']} | {r['long_peak_gb']:.2f} | {r['floor_peak_gb']:.2f} | "
-                     f"{r['activations_gb']:.2f} | {format(r['activations_vs_sp1'], '.2f') if base else '-'} | "
-                     f"{r['step_s']:.2f} | {format(r['step_time_vs_sp1'], '.2f') if base else '-'} | "
-                     f"{r['tokens_per_s_per_device']:.0f} |")
+        ratio = (lambda key: format(r[key], ".2f") if key in r else "-")
+        lines.append(f"| {r['mesh']} | {r['size']} | {r['config']} | {r['long_peak_gb']:.2f} | "
+                     f"{r['floor_peak_gb']:.2f} | {r['activations_gb']:.2f} | {ratio('activations_vs_size1')} | "
+                     f"{r['step_s']:.2f} | {ratio('step_time_vs_size1')} | {r['tokens_per_s_per_device']:.0f} |")
+    if any("cpu_ring_kernel" in r for r in rows):
+        lines += ["", "cp > 1 on a CPU: torch's ring attention with the test-only mapping of its CPU attention kernel "
+                  "(tests/cpu_ring); torch maps only CUDA kernels"]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sp", default="1,2", help="sequence-parallel sizes; 1 = plain ZeRO-3 (the reference)")
+    parser.add_argument("--sp", default="1,2", help="Ulysses sizes under ZeRO-3; 1 = plain ZeRO-3 (the reference); '' none")
+    parser.add_argument("--cp", default="", help="context-parallel sizes under FSDP2; 1 = plain FSDP2 (the reference)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--floor-seq", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)

@@ -25,9 +25,10 @@ DEFAULT_STRATEGIES = "ddp,fsdp,zero1,zero2,zero3,zero3_offload"
 
 
 def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Path, overrides: list[str],
-                 log_every: int = 1, timeout_s: float | None = None, launcher_args: tuple = ()) -> list[dict]:
+                 log_every: int = 1, timeout_s: float | None = None, launcher_args: tuple = (),
+                 env: dict | None = None) -> list[dict]:
     """One launch; `log_every` > 1 measures with normal logging (windows must align with the warm-up);
-    `launcher_args` go to `accelerate launch` (a mesh's sizes)."""
+    `launcher_args` go to `accelerate launch` (a mesh's sizes); `env` is added to the environment."""
     cmd = launch_command(
         strategy, nproc, "train.py", "--recipe", recipe, *overrides,
         f"training.max_steps={steps}", f"logging.every_steps={log_every}", "logging.report_to=[none]",
@@ -36,7 +37,7 @@ def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Pa
         # what is measured ends with the last step: no samples, model card or plots after it (seconds per launch)
         "logging.samples=0", "output.report=false", launcher_args=launcher_args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = run_logged(cmd, run_dir / "launch.log", timeout_s)
+    proc = run_logged(cmd, run_dir / "launch.log", timeout_s, env)
     if proc.returncode != 0:
         raise DisttrainError(f"bench: {strategy} failed (exit {proc.returncode}); log: {run_dir / 'launch.log'}")
     return [r for r in read_metrics(run_dir) if "loss" in r]

@@ -14,8 +14,8 @@ Labels are -100 on every token the model should not learn to produce (prompts, s
 padding), so the loss covers answers only.
 """
 
-from disttrain.data.collation import (BOOKKEEPING_KEYS, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, Collator,
-                                      count_targets, flattens_packed_rows, make_loader, with_shift_labels)
+from disttrain.data.collation import (BOOKKEEPING_KEYS, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, TARGETS_KEY,
+                                      Collator, count_targets, flattens_packed_rows, make_loader, with_shift_labels)
 from disttrain.data.packing import chunk_documents, pack_rows
 from disttrain.data.pipeline import DataReport, build_datasets, prepare, tokenize_record
 from disttrain.data.preference import PAIR_INDEX, PairCollator
@@ -24,6 +24,7 @@ from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
 from disttrain.data.templates import IGNORE_INDEX, render_and_label
 
 __all__ = ["BOOKKEEPING_KEYS", "IGNORE_INDEX", "LENGTHS_KEY", "PAIR_INDEX", "SHIFT_LABELS_KEY", "SQUARES_KEY",
+           "TARGETS_KEY",
            "Collator", "DataReport",
            "PairCollator", "StreamLoader", "build_datasets", "chunk_documents", "count_targets", "flattens_packed_rows",
            "load_split", "make_loader", "pack_rows", "prepare", "render_and_label", "shards_note", "stream_rows",

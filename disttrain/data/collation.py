@@ -22,7 +22,8 @@ from disttrain.data.templates import IGNORE_INDEX
 
 LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop before the forward pass
 SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
-BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY)
+TARGETS_KEY = "num_targets"  # context parallelism: the targets of this process's part, counted before the cut
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY)
 # position t's target, already shifted (transformers' name): set before a sequence is split across ranks
 # (context parallelism), where shifting inside each shard would lose the target at every shard boundary
 SHIFT_LABELS_KEY = "shift_labels"
@@ -107,6 +108,8 @@ def _sum_of_squared_segments(position_ids) -> int:
 def count_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Tokens that contribute to the causal-LM loss (labels are shifted by one inside the model, or came
     shifted as `shift_labels`). A tensor on the batch's device, so counting never forces a host sync."""
+    if TARGETS_KEY in batch:  # context parallelism: the whole sequence is here until the loop's context cuts it
+        return batch[TARGETS_KEY]
     if SHIFT_LABELS_KEY in batch:
         return (batch[SHIFT_LABELS_KEY] != IGNORE_INDEX).sum()
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
@@ -157,6 +160,48 @@ class SequenceShard:
                 SHIFT_LABELS_KEY: shifted(batch["labels"])[:, part],
                 "position_ids": positions[:, part].contiguous(),
                 LENGTHS_KEY: mask[:, part].sum(1), SQUARES_KEY: share}
+
+
+# what accelerate's context-parallel context cuts along the sequence, in place, for each micro-batch
+CONTEXT_BUFFERS = ("input_ids", "labels", SHIFT_LABELS_KEY, "position_ids")
+
+
+@dataclass
+class ContextShard:
+    """Whole sequences for one process of a context-parallel group (torch's ring attention under FSDP2): the
+    cp processes of a group read the same rows, and accelerate's context cuts each micro-batch in place inside
+    the loop (CONTEXT_BUFFERS), in torch's head-tail layout: the sequence in 2 x cp equal chunks, process r
+    keeping chunks r and 2cp-1-r, so the causal attention work is even. Here: labels shifted on the whole
+    sequence (shifting after the cut would lose the target at every chunk boundary), global position ids,
+    right padding to a multiple of 2 x cp (what the head-tail layout needs), no attention mask (the ring
+    attends causally; exact for every real token of a right-padded row), and the bookkeeping of this process's
+    part only (its targets, tokens and attention-cost share), so sums over all processes count each once."""
+
+    collate: Collator
+    index: int
+    count: int
+
+    def __post_init__(self):
+        multiple, chunks = self.collate.pad_to_multiple_of or 1, 2 * self.count
+        self.collate = replace(self.collate, pad_to_multiple_of=multiple * chunks // math.gcd(multiple, chunks))
+
+    def kept(self, length: int) -> torch.Tensor:
+        """The positions this process keeps once the context has cut a sequence of `length` (head-tail)."""
+        chunk = length // (2 * self.count)
+        first, last = self.index * chunk, (2 * self.count - 1 - self.index) * chunk
+        return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collate(rows)
+        mask = batch.pop("attention_mask")
+        size, length = batch["input_ids"].shape
+        targets, mine = shifted(batch["labels"]), self.kept(length)
+        squares = batch[SQUARES_KEY]  # attention cost: the head-tail layout gives each process an equal share
+        share = squares // self.count + (squares % self.count if self.index == 0 else 0)
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"], SHIFT_LABELS_KEY: targets,
+                "position_ids": torch.arange(length).expand(size, length).contiguous(),
+                LENGTHS_KEY: mask[:, mine].sum(1), SQUARES_KEY: share,
+                TARGETS_KEY: (targets[:, mine] != IGNORE_INDEX).sum()}
 
 
 def make_loader(dataset, batch_size: int, collator: Collator, shuffle: bool, drop_last: bool, seed: int = 0):

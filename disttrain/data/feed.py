@@ -4,7 +4,8 @@ state, so that train.py and the loop never ask which kind it is.
     MapFeed     the tokenised dataset (cached by `datasets`): accelerate shards its batches across the data
                 ranks, reshuffled every epoch from the seed; on resume its position follows from the step.
                 Under sequence parallelism the processes of a group read the same batches and each keeps its
-                slice of every sequence (collation.SequenceShard)
+                slice of every sequence (collation.SequenceShard); under context parallelism they read the same
+                whole sequences, cut by the loop's context (collation.ContextShard)
     StreamFeed  data.streaming: each data rank reads and tokenises its own shards lazily; its position is
                 saved per rank in every checkpoint and loaded back, never replayed
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from disttrain.data.collation import SequenceShard, make_loader
+from disttrain.data.collation import ContextShard, SequenceShard, make_loader
 from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
 from disttrain.errors import DataError
 
@@ -27,10 +28,12 @@ def steps_per_epoch(num_rows: int, micro_batch_size: int, num_processes: int, gr
 class MapFeed:
     rank_state = None  # nothing per rank to save: the position follows from the step
 
-    def __init__(self, recipe, train_set, data_rank: int, data_ranks: int, sequence_slice: tuple[int, int] | None):
+    def __init__(self, recipe, train_set, data_rank: int, data_ranks: int, sequence_slice: tuple[int, int] | None,
+                 context_slice: tuple[int, int] | None = None):
         cfg = recipe.training
         self.recipe, self.train_set, self.loader = recipe, train_set, None
         self.data_rank, self.data_ranks, self.sequence_slice = data_rank, data_ranks, sequence_slice
+        self.context_slice = context_slice
         self.per_epoch = steps_per_epoch(len(train_set), cfg.micro_batch_size, data_ranks, cfg.grad_accum)
         if self.per_epoch == 0:
             raise DataError(f"{recipe.data.path or 'data.sources'}: {len(train_set)} training rows cannot fill one "
@@ -44,11 +47,17 @@ class MapFeed:
         cfg = self.recipe.training
         if self.sequence_slice is not None:
             collator = SequenceShard(collator, *self.sequence_slice)
+        if self.context_slice is not None:
+            collator = ContextShard(collator, *self.context_slice)
         loader = make_loader(self.train_set, cfg.micro_batch_size, collator, self.recipe.data.shuffle, True, cfg.seed)
-        if self.sequence_slice is None:
+        if self.sequence_slice or self.context_slice:  # what the model's config says, before accelerate wraps it
+            from disttrain.recipe.compat import check_sequence_model
+
+            check_sequence_model(model.config, (self.sequence_slice or (0, 1))[1], (self.context_slice or (0, 1))[1])
+        if self.data_ranks == accelerator.num_processes:
             model, optimizer, self.loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        else:  # the processes of a sequence group share rows: sharded by data rank (accelerate would use the
-            # process rank, and wrap it in DeepSpeed's Ulysses adapter, which can neither reshuffle nor skip)
+        else:  # the processes of a sequence group share rows: sharded by data rank (under Ulysses accelerate
+            # would use the process rank, and wrap it in DeepSpeed's adapter, which can neither reshuffle nor skip)
             from disttrain.runtime.backends import set_deepspeed_micro_batch, shard_loader
 
             set_deepspeed_micro_batch(accelerator, cfg.micro_batch_size)
@@ -91,4 +100,4 @@ def feed_for(recipe, train_set, tokenizer, plan, accelerator) -> MapFeed | Strea
     if recipe.data.streaming:
         return StreamFeed(recipe, tokenizer, plan.data_rank(accelerator), plan.data_ranks(accelerator))
     return MapFeed(recipe, train_set, plan.data_rank(accelerator), plan.data_ranks(accelerator),
-                   plan.sequence_slice(accelerator))
+                   plan.sequence_slice(accelerator), plan.context_slice(accelerator))

@@ -111,23 +111,30 @@ def check_trackers(report_to: list[str]) -> None:
                                  f"{tracker} (or {extras[tracker]}), or remove it from report_to")
 
 
-def check_sequence_parallel(recipe: Recipe, sp: int) -> None:
-    """Ulysses (sp processes per sequence) attends causally with no mask, on the attention kernel the accelerate
-    config names, and feeds plain padded rows (data.collation.SequenceShard)."""
-    if sp == 1:
+def check_sequence_parallel(recipe: Recipe, sp: int, cp: int = 1) -> None:
+    """Ulysses (sp processes per sequence) and context parallelism (cp) attend causally with no mask and feed
+    plain padded rows (data.collation.SequenceShard, ContextShard); Ulysses on the attention kernel the accelerate
+    config names, the ring on sdpa."""
+    if sp == 1 and cp == 1:
         return
     d, m = recipe.data, recipe.model
-    where = "accelerate_configs/zero3_ulysses.yaml (sp_size > 1)"
+    where, name, plain = (("accelerate_configs/zero3_ulysses.yaml (sp_size > 1)", "Ulysses", "zero3.yaml") if sp > 1
+                          else ("accelerate_configs/fsdp_cp.yaml (cp_size > 1)", "the attention ring", "fsdp.yaml"))
     if d.packing or d.chunk_isolate_documents:
         raise DisttrainError(f"data.{'packing' if d.packing else 'chunk_isolate_documents'}=true is not supported "
-                             f"under {where}: Ulysses drops the attention mask, so packed examples would attend to "
+                             f"under {where}: {name} drops the attention mask, so packed examples would attend to "
                              "each other; set it to false (long rows need no packing)")
     if d.streaming:
         raise DisttrainError(f"data.streaming=true is not supported under {where} yet (streams are packed); use a "
                              "map-style dataset (data.streaming=false)")
     if recipe.training.objective != "sft":
         raise DisttrainError(f"training.objective={recipe.training.objective} is not supported under {where} "
-                             "yet; train it without sequence parallelism (zero3.yaml)")
+                             f"yet; train it without sequence parallelism ({plain})")
+    if cp > 1:
+        if m.attn_implementation != "sdpa":
+            raise DisttrainError(f"model.attn_implementation={m.attn_implementation} is not supported under {where}: "
+                                 "torch's ring attention replaces sdpa's kernels only; set it to sdpa")
+        return
     kernel = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "sdpa")
     if m.attn_implementation != kernel:
         raise DisttrainError(f"model.attn_implementation={m.attn_implementation} differs from the accelerate "
@@ -138,14 +145,36 @@ def check_sequence_parallel(recipe: Recipe, sp: int) -> None:
                              f"use sdpa, or set {ALLOW_UNVERIFIED}=1 to try it")
 
 
-def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1) -> None:
+def check_sequence_model(config, sp: int, cp: int) -> None:
+    """What only the model's config says (checked once it is loaded, before accelerate wraps it): both attend
+    with full causal attention only (no mask travels with the slices), and the router's load-balancing loss of a mixture of experts would
+    be computed per slice, not over the sequence (it is not additive over positions), so it would differ from
+    one process's."""
+    if sp == 1 and cp == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    where = "accelerate_configs/zero3_ulysses.yaml (sp_size > 1)" if sp > 1 else "accelerate_configs/fsdp_cp.yaml"
+    windowed = {t for t in (getattr(text, "layer_types", None) or []) if t != "full_attention"}
+    if getattr(text, "layer_types", None) is None and getattr(text, "sliding_window", None):
+        windowed = {"sliding_attention"}
+    if windowed:
+        raise DisttrainError(f"{type(text).__name__} has {sorted(windowed)} layers: not supported under {where}, "
+                             "which attends with full causal attention only (their window would be dropped); train "
+                             "it without sequence parallelism")
+    if getattr(text, "output_router_logits", False):
+        raise DisttrainError(f"model.router_aux_loss_coef (the router's load-balancing loss) is not supported under "
+                             f"{where}: each process would compute it on its slice of the sequence, not on the whole "
+                             "sequence as one process does; remove the field, or train without sequence parallelism")
+
+
+def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1) -> None:
     """Everything that would stop this recipe under this launch, checked before the process group exists (one
     line each); and the launch-environment warnings (restarts, the preemption shutdown timeout)."""
     from disttrain.model import hub
     from disttrain.runtime import guards
 
     check(recipe, strategy, gpu)
-    check_sequence_parallel(recipe, sp)
+    check_sequence_parallel(recipe, sp, cp)
     check_trackers(recipe.logging.report_to)
     hub.check_token(recipe.output.push_to_hub)  # before training, not after it
     check_zero3_export(recipe, strategy)

@@ -132,7 +132,7 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
         f"compile={'regional (inductor, dynamic shapes)' if t.compile else 'no'}\n"
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
-        f"{data_ranks} {'procs' if data_ranks == accelerator.num_processes else f'groups of {plan.sp} procs'}) "
+        f"{data_ranks} {'procs' if data_ranks == accelerator.num_processes else f'groups of {plan.group} procs'}) "
         f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} total_steps={total_steps}")
     from disttrain.runtime.backends import fsdp_layout
 

@@ -61,11 +61,13 @@ def mesh_sizes() -> dict[str, int] | None:
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, fsdp, fsdp_offload, hsdp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
+    ddp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
         return "hsdp"
+    if strategy == "fsdp" and mesh and mesh["cp"] > 1:
+        return "fsdp_cp"
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
         ulysses = "_ulysses" if mesh and mesh["sp"] > 1 else ""

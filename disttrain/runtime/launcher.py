@@ -13,6 +13,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def cpu_ring_env() -> dict:
+    """For a context-parallel launch on a CPU (preflight, bench-long): tests/cpu_ring on PYTHONPATH, the test-only
+    mapping of torch's CPU attention kernel into its ring attention (torch maps only its CUDA kernels)."""
+    ring = str(REPO / "tests" / "cpu_ring")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (ring, os.environ.get("PYTHONPATH")) if p)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

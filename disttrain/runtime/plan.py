@@ -3,16 +3,21 @@
 Every process is a data-parallel rank under DDP, FSDP2, HSDP and ZeRO-1/2/3 (they differ in what they shard,
 not in who reads which data). Ulysses sequence parallelism (DeepSpeed's ALST on accelerate's
 ParallelismConfig, `sp`) groups sp consecutive processes around one sequence: they read the same rows and
-each keeps 1/sp of every sequence (data.collation.SequenceShard), so the data rank is process // sp. The rest
+each keeps 1/sp of every sequence (data.collation.SequenceShard), so the data rank is process // sp. Context
+parallelism (torch's ring attention under FSDP2, `cp`) groups cp consecutive processes the same way; each gets
+the whole sequence from the loader (data.collation.ContextShard) and accelerate's context cuts it in place for
+every micro-batch (`context_parallel`), forward and backward inside it. The rest
 of the run asks the plan, never the environment: the strategy and its label for output.dir, the ZeRO stage,
 the checkpoint's strategy and mesh, which data rank this process is and how many there are (the feed shards
 by them), which slice of each sequence it keeps. Token counts and losses are reduced over every process: each
 counts only its own slice, and every strategy here averages gradients over all processes (ZeRO-3 under
-Ulysses reduces over dp x sp). Tensor and context parallel meshes are refused until they plug in here.
+Ulysses reduces over dp x sp, FSDP2 under CP over dp_shard x cp). Tensor parallel meshes are refused until
+they plug in here.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from disttrain.errors import DisttrainError
@@ -25,13 +30,19 @@ class ParallelPlan:
     label: str  # output.dir's {strategy}, as the config files are named: ddp, fsdp_offload, zero3, ...
     zero_stage: int | None  # DeepSpeed only
     processes: int
-    mesh: str | None = None  # "dp_replicate=R,dp_shard=S" (HSDP) or "dp_shard=D,sp=S" (Ulysses)
+    mesh: str | None = None  # "dp_replicate=R,dp_shard=S" (HSDP), "dp_shard=D,sp=S" (Ulysses), "dp_shard=D,cp=C"
     sp: int = 1  # processes that share each sequence, each keeping 1/sp of it (Ulysses)
+    cp: int = 1  # processes that share each sequence around the attention ring (context parallelism)
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
-        mesh, sp = _mesh(launcher_strategy(), world_size())
-        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp)
+        mesh, sp, cp = _mesh(launcher_strategy(), world_size())
+        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp)
+
+    @property
+    def group(self) -> int:
+        """Consecutive processes that read the same rows (a sequence-parallel or context-parallel group)."""
+        return self.sp * self.cp
 
     @property
     def checkpoint_strategy(self) -> str:
@@ -39,30 +50,58 @@ class ParallelPlan:
         return "ddp" if self.strategy == "single" else self.strategy
 
     def data_rank(self, accelerator) -> int:
-        """Which share of the data this process reads: the sp processes of a sequence group read the same."""
-        return accelerator.process_index // self.sp
+        """Which share of the data this process reads: the processes of a sequence group read the same."""
+        return accelerator.process_index // self.group
 
     def data_ranks(self, accelerator) -> int:
-        return accelerator.num_processes // self.sp
+        return accelerator.num_processes // self.group
 
     def sequence_slice(self, accelerator) -> tuple[int, int] | None:
-        """(which slice, of how many) of every training sequence this process keeps; None: all of it."""
+        """Ulysses: (which slice, of how many) of every training sequence the loader gives this process; None:
+        all of it."""
         return (accelerator.process_index % self.sp, self.sp) if self.sp > 1 else None
 
+    def context_slice(self, accelerator) -> tuple[int, int] | None:
+        """Context parallelism: (which part, of how many) of every sequence accelerate's context keeps here."""
+        return (accelerator.process_index % self.cp, self.cp) if self.cp > 1 else None
 
-def _mesh(strategy: str, processes: int) -> tuple[str | None, int]:
-    """The launch's mesh, checked, and its sequence-parallel size: HSDP (replicas x shards) under FSDP2, or
-    Ulysses (groups x sp) under DeepSpeed; it must cover every process. Tensor and context parallel ranks share
-    a batch in ways the feed and the loss do not handle yet: such a mesh would train on a wrong normalisation,
-    so it is refused."""
+    def micro_batch_context(self, accelerator):
+        """What the loop enters around each micro-batch's forward and backward: under context parallelism,
+        accelerate's context, which cuts the batch's sequences in place (the ring attention needs backward
+        inside it too: outside, the gradients are silently wrong); otherwise nothing."""
+        if self.cp == 1:
+            return lambda batch: nullcontext()
+        from disttrain.data.collation import CONTEXT_BUFFERS
+
+        def context(batch: dict):
+            buffers = [batch[key] for key in CONTEXT_BUFFERS if key in batch]
+            return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                                      no_restore_buffers=set(buffers))
+        return context
+
+
+def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
+    """The launch's mesh, checked, with its sequence- and context-parallel sizes: HSDP (replicas x shards) or
+    context parallelism (groups x cp) under FSDP2, Ulysses (groups x sp) under DeepSpeed; it must cover every
+    process. Tensor parallel ranks share a batch in ways the feed and the loss do not handle yet: such a mesh
+    would train on a wrong normalisation, so it is refused."""
     sizes = mesh_sizes()
     if sizes is None:
-        return None, 1
-    unsupported = {dim: sizes[dim] for dim in ("tp", "cp") if sizes[dim] > 1}
-    if unsupported:
-        raise DisttrainError("parallelism_config: " + ", ".join(f"{d}_size={n}" for d, n in unsupported.items()) +
-                             " is not supported yet: disttrain's meshes are dp_replicate x dp_shard (accelerate_"
-                             "configs/hsdp.yaml) and Ulysses sp under ZeRO (zero3_ulysses.yaml); set it to 1")
+        return None, 1, 1
+    if sizes["tp"] > 1:
+        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet: disttrain's meshes "
+                             "are dp_replicate x dp_shard (accelerate_configs/hsdp.yaml), context parallelism under "
+                             "FSDP2 (fsdp_cp.yaml) and Ulysses sp under ZeRO (zero3_ulysses.yaml); set it to 1")
+    if sizes["cp"] > 1:
+        if strategy != "fsdp" or sizes["dp_replicate"] > 1 or sizes["sp"] > 1:
+            raise DisttrainError(f"parallelism_config: cp_size={sizes['cp']} needs FSDP2 without dp_replicate or "
+                                 "sp (torch's ring attention, as accelerate runs it); use accelerate_configs/"
+                                 "fsdp_cp.yaml")
+        if sizes["dp_shard"] * sizes["cp"] != processes:
+            raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x cp_size={sizes['cp']} "
+                                 f"must equal the {processes} processes launched; set --parallelism_config_dp_"
+                                 "shard_size to processes / cp_size (make train-fsdp-cp CP=... does)")
+        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"]
     if sizes["sp"] > 1:
         if strategy != "deepspeed" or sizes["dp_replicate"] > 1:
             raise DisttrainError(f"parallelism_config: sp_size={sizes['sp']} needs DeepSpeed without "
@@ -71,10 +110,10 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int]:
             raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x sp_size={sizes['sp']} "
                                  f"must equal the {processes} processes launched; set --parallelism_config_dp_"
                                  "shard_size to processes / sp_size (make train-zero3-ulysses SP=... does)")
-        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"]
+        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1
     if sizes["dp_replicate"] * sizes["dp_shard"] != processes:
         raise DisttrainError(f"parallelism_config: dp_replicate_size={sizes['dp_replicate']} x dp_shard_size="
                              f"{sizes['dp_shard']} must equal the {processes} processes launched; set "
                              "--parallelism_config_dp_replicate_size to the nodes and --parallelism_config_"
                              "dp_shard_size to the GPUs per node (make train-hsdp does)")
-    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1
+    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1

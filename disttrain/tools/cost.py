@@ -31,14 +31,16 @@ from disttrain.metrics.flops import (ModelShape, attention_flops_per_token, forw
 from disttrain.metrics.hardware import ACCELERATORS, Accelerator, lookup
 
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload"]
-# The meshes, planned when asked for (--hsdp-replicas, --sp): which one-dimensional strategy shards their
-# states, and over how many GPUs (hsdp: one replica's; Ulysses: ZeRO-3 over all of them, dp x sp)
-MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3"}
+# The meshes, planned when asked for (--hsdp-replicas, --sp, --cp): which one-dimensional strategy shards
+# their states, and over how many GPUs (hsdp: one replica's; Ulysses: ZeRO-3 over all of them, dp x sp;
+# context parallelism: FSDP2 over all of them, dp_shard x cp)
+MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp"}
 # Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
 # moves weights over PCIe every step; HSDP's gathers stay inside a node, as FSDP2's on one node; Ulysses adds
-# four all-to-alls per layer and pass). Replace with --mfu or --bench for real planning.
+# four all-to-alls per layer and pass; the ring exchanges every layer's keys and values, overlapped only in
+# part). Replace with --mfu or --bench for real planning.
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
-               "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25}
+               "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -111,7 +113,8 @@ def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float
 
 def activations_gb(w: Workload, sp: int = 1) -> float | None:
     """Per GPU. Ulysses (sp processes per sequence) keeps 1/sp of every sequence's positions outside attention
-    and all positions of 1/sp of the heads inside it: every term falls by sp."""
+    and all positions of 1/sp of the heads inside it; the ring (cp, passed as `sp`) 1/cp of the positions
+    everywhere: every term but the chunked loss's fixed chunk falls by sp."""
     if w.shape is None:
         return None
     tokens = w.seq_len * w.micro_batch // sp
@@ -155,7 +158,7 @@ def reference_flops_per_token(w: Workload) -> float:
     return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
 
-def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int) -> list[tuple[str, str, int, int]]:
+def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1) -> list[tuple[str, str, int, int]]:
     """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size) per row."""
     rows = [(s, s, n_gpus, 1) for s in STRATEGIES]
     if hsdp_replicas > 1:
@@ -166,14 +169,19 @@ def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int) -> list[tuple[str, str,
         if n_gpus % sp:
             raise DisttrainError(f"--sp {sp} must divide --gpus {n_gpus}")
         rows.append(("zero3_ulysses", MESHES["zero3_ulysses"], n_gpus, sp))
+    if cp > 1:
+        if n_gpus % cp:
+            raise DisttrainError(f"--cp {cp} must divide --gpus {n_gpus}")
+        rows.append(("fsdp_cp", MESHES["fsdp_cp"], n_gpus, cp))
     return rows
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
-         mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1) -> dict:
+         mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1,
+         cp: int = 1) -> dict:
     total_flops = flops_per_token(w) * w.tokens
     rows = []
-    for strategy, sharding, shards, seq_shards in _mesh_rows(n_gpus, hsdp_replicas, sp):
+    for strategy, sharding, shards, seq_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp):
         states, host = model_states_gb(w, sharding, shards)
         act = activations_gb(w, seq_shards)
         need = states + (act or 0.0) + RESERVE_GB
@@ -360,6 +368,8 @@ def main(argv=None) -> None:
                     help="add an hsdp row: FSDP2 sharded within GPUS / R GPUs, replicated R times (R = nodes)")
     hw.add_argument("--sp", type=int, default=1,
                     help="add a zero3_ulysses row: each sequence split over SP GPUs (activations / SP)")
+    hw.add_argument("--cp", type=int, default=1,
+                    help="add an fsdp_cp row: each sequence split over CP GPUs around the ring (activations / CP)")
     parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
                         help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
@@ -378,7 +388,7 @@ def main(argv=None) -> None:
     workload, title = _workload_from_args(args)
     mfu, source = _mfu(args)
     result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb, args.hsdp_replicas,
-                  args.sp)
+                  args.sp, args.cp)
     if args.json:
         print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
     else:

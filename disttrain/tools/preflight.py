@@ -9,6 +9,8 @@ Catches: recipe typos and type errors, impossible strategy combinations, archite
 (see docs/strategies.md), hub access, or kernels that only exist on GPUs (QLoRA, flash-attention).
 Stages: recipe, compatibility, shrink, save (stop half-way with a checkpoint), resume (same command
 continues to the end), export (the exported model loads back).
+Context parallelism (fsdp_cp) on a CPU runs torch's ring attention with the test-only mapping of its CPU
+attention kernel (tests/cpu_ring; torch maps only its CUDA kernels), as the project's own tests do.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from disttrain.recipe.schema import LOCAL_DATA_SUFFIXES, Recipe, load_recipe
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.runtime.launcher import REPO, launch_command, run_logged
+from disttrain.runtime.launcher import REPO, cpu_ring_env, launch_command, run_logged
 from disttrain.metrics.log import read_metrics
 
 MODEL_CONFIGS = REPO / "model_configs"
@@ -166,6 +168,17 @@ def config_processes(config_file: Path) -> int:
     return max(2, int(yaml.safe_load(config_file.read_text()).get("num_processes") or 2))
 
 
+def ring_on_cpu(config_file: Path) -> dict:
+    """The environment a context-parallel dry run needs on a CPU: tests/cpu_ring on PYTHONPATH (see above)."""
+    import torch
+    import yaml
+
+    mesh = yaml.safe_load(config_file.read_text()).get("parallelism_config") or {}
+    if int(mesh.get("parallelism_config_cp_size", 1)) == 1 or torch.cuda.is_available():
+        return {}
+    return cpu_ring_env()
+
+
 def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir: Path, overrides=()) -> Report:
     """nproc None: what the config is written for (config_processes)."""
     report = Report()
@@ -206,18 +219,21 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
     for note in notes:
         print(f"       note: {note}")
     base = launch_command(strategy, nproc, "train.py", "--recipe", str(recipe_path), *overrides, *cpu)
+    env = ring_on_cpu(config_file)
+    if env:
+        print("       note: context parallelism on CPU: torch's ring with the test-only CPU kernel mapping (tests/cpu_ring)")
     half = max(1, steps // 2)
 
     # save: stop half-way, as a preempted job would, leaving a checkpoint
     first = run_logged(base + [f"training.stop_at_step={half}", f"output.checkpoint_every={half}"],
-                       work_dir / "save.log")
+                       work_dir / "save.log", env=env)
     checkpoint = run_dir / "checkpoints" / f"step-{half:08d}"
     if not report.add("save", first.returncode == 0 and checkpoint.is_dir(),
                       f"{nproc} processes under {strategy}, stopped at step {half}: {checkpoint.name} written"
                       if first.returncode == 0 else _failure(first, work_dir / "save.log")):
         return report
     # resume: the same command continues from that checkpoint to the end, then exports
-    second = run_logged(base + [f"output.checkpoint_every={half}"], work_dir / "resume.log")
+    second = run_logged(base + [f"output.checkpoint_every={half}"], work_dir / "resume.log", env=env)
     if second.returncode != 0:
         report.add("resume", False, _failure(second, work_dir / "resume.log"))
         return report

@@ -201,7 +201,8 @@ class _Window:
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, scorer=None) -> TrainState:
+          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, scorer=None,
+          micro_batch_context=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
@@ -212,8 +213,11 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
     `data_rank_size`: consecutive processes sharing rows (ParallelPlan.sp), compared as one in the spread.
     `scorer` (due(step) / scorer(checkpoint) -> record) scores the checkpoints it is due for with lm-eval.
+    `micro_batch_context(batch)` is entered around each micro-batch's forward and backward
+    (ParallelPlan.micro_batch_context: context parallelism cuts the batch's sequences there).
     """
     token_loss = token_loss or TokenLoss(model, "plain")
+    micro_batch_context = micro_batch_context or (lambda batch: contextlib.nullcontext())
     ga = accelerator.gradient_accumulation_steps
     window = _Window(accelerator.device, flops_meter, peak_flops, data_rank_size)
     replicas_every = distributed.check_replicas_every if distributed is not None else None
@@ -241,7 +245,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             stop_requested = _FlagOnHost(stop_flag)
             guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
-                with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device):
+                with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
+                        micro_batch_context(batch):
                     loss = token_loss.training_loss(model, batch, denominator)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:

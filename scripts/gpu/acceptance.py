@@ -132,6 +132,7 @@ ITEMS = [
     Item("streaming_resume", partial(full_finetune, config="single_gpu", streaming=True), 28, 120, True),
     Item("hsdp_2x2", partial(full_finetune, config="hsdp", nproc=4), 35, 150, False),  # SKIP below 4 GPUs
     Item("ulysses_sp2", partial(full_finetune, config="zero3_ulysses", nproc=2), 35, 150, False),  # SKIP below 2
+    Item("context_parallel_cp2", partial(full_finetune, config="fsdp_cp", nproc=2), 35, 150, False),  # SKIP below 2
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),

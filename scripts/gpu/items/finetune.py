@@ -22,6 +22,8 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
     n, stop = ctx.s.steps, ctx.s.steps // 2
     ckpt = {"checkpoint_every": stop, "keep_last": 2}
     data = {"streaming": True} if streaming else {}
+    if config in ("zero3_ulysses", "fsdp_cp"):  # the sequence meshes attend without a mask: no packing
+        data["packing"] = False
     a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
     _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data), nproc=nproc)
     ref = require_finite_losses(a, n, log_a)

@@ -1,0 +1,162 @@
+"""Context parallelism (accelerate_configs/fsdp_cp.yaml, `make train-fsdp-cp`): FSDP2 with each sequence cut
+across the cp processes of a group, attention exchanged around torch's ring (accelerate's ParallelismConfig and
+its context-parallel context). On 2 CPU processes as one group of cp=2 (torch's ring on the CPU attention
+kernel: tests/cpu_ring/sitecustomize.py, test-only): both read the matrix recipe's 4 rows per step (the
+one-process reference's batch), the loop's context cuts every micro-batch in torch's head-tail layout, forward
+and backward inside it, and the run trains the model one process trains (tests/strategy_runs.py, the same
+tolerances as every strategy), full and LoRA; its checkpoint records the mesh and resumes on it exactly.
+In-process: the collated batch (labels shifted on the whole sequence -- the control shifts after the cut and
+loses the target at every chunk boundary), the positions each process keeps == torch's own head-tail
+balancer's, the plan and the refusals."""
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO, assert_ok, launch
+from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, TARGETS_KEY, Collator
+from disttrain.data.collation import ContextShard, count_targets, shifted
+from disttrain.errors import DisttrainError
+from disttrain.metrics.log import read_metrics
+from disttrain.runtime.launcher import cpu_ring_env, free_port
+from disttrain.runtime.plan import ParallelPlan
+from strategy_runs import CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, matrix_recipe
+from strategy_runs import small_data, strategy_run
+
+MESH = "dp_shard=1,cp=2"
+RING_ON_CPU = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"}
+
+
+def cp_run(runs, tiny_model_dir, lora: bool):
+    """`make train-fsdp-cp GPUS=2 CP=2` on the matrix recipe with the one-process batch (2 rows x
+    accumulation 2): the group of two processes reads what one process reads."""
+    def make(folder):
+        # the full run also generates its end-of-run sample (outside the context, every rank in step)
+        recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", processes=1, lora=lora,
+                               logging={"samples": 0 if lora else 1})
+        proc = subprocess.run(["make", "-s", "train-fsdp-cp", "GPUS=2", "CP=2", f"MASTER_PORT={free_port()}",
+                               f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **RING_ON_CPU})
+        assert_ok(proc)
+        return folder / "run", proc.stdout
+    return runs.get(f"context-parallel-{'lora' if lora else 'full'}", make)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_context_parallelism_trains_like_one_process(lora, runs, tiny_model_dir):
+    out, stdout = cp_run(runs, tiny_model_dir, lora)
+    assert f"mesh={MESH}" in stdout and "processes=2" in stdout
+    assert "global_batch=4 rows (2 x 2 accum x 1 groups of 2 procs)" in stdout
+    assert "FSDP2 parameters on the mesh (dp_shard_cp=2)" in stdout  # sharded over the cp processes too
+    if not lora:
+        assert "sample: '<|im_start|>user" in stdout, stdout[-2000:]
+    ref = strategy_run(runs, tiny_model_dir, "single_gpu", lora).out
+    assert {r["loss_rank_spread"] for r in read_metrics(out) if "loss" in r} == {0.0}  # one data rank
+    assert_trains_like_one_process(out, ref, lora)
+
+
+@pytest.mark.launch
+def test_context_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tmp_path):
+    out, _ = cp_run(runs, tiny_model_dir, False)
+    checkpoint = out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "resumed", processes=1)
+    proc = launch("fsdp_cp", recipe, nproc=2, overrides=[f"output.resume={checkpoint}"], env=RING_ON_CPU)
+    assert_ok(proc)
+    assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
+    assert_same_run(out, tmp_path / "resumed", lora=False, first_step=CHECKPOINT_EVERY + 1)
+
+
+ROWS = [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9]},
+        {"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]}]
+
+
+def test_a_context_shard_gives_whole_sequences_and_counts_its_own_part():
+    whole = Collator(pad_token_id=0)(ROWS)
+    parts = [ContextShard(Collator(pad_token_id=0), i, 2)(ROWS) for i in range(2)]
+    # whole sequences, right-padded to a multiple of 2 x cp = 4 (5 -> 8 positions); the context cuts them later
+    assert parts[0]["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 0, 0, 0, 0, 0]]
+    assert parts[0][SHIFT_LABELS_KEY].tolist() == [[IGNORE_INDEX, 7, 8, 9] + [IGNORE_INDEX] * 4,
+                                                   [6, 7] + [IGNORE_INDEX] * 6]
+    assert parts[0]["position_ids"].tolist() == [list(range(8))] * 2 and "attention_mask" not in parts[0]
+    # head-tail: process 0 keeps chunks 0 and 3 (positions 0,1,6,7), process 1 chunks 1 and 2 (2..5)
+    assert [p.tolist() for p in (ContextShard(Collator(0), i, 2).kept(8) for i in range(2))] == [[0, 1, 6, 7],
+                                                                                                 [2, 3, 4, 5]]
+    # every target and token counted once over the group (before the cut), the attention cost split over it
+    assert [int(p[TARGETS_KEY]) for p in parts] == [3, 2]
+    assert sum(int(count_targets(p)) for p in parts) == int(count_targets(whole)) == 5
+    assert (parts[0][LENGTHS_KEY] + parts[1][LENGTHS_KEY]).tolist() == whole[LENGTHS_KEY].tolist() == [5, 3]
+    assert (parts[0][SQUARES_KEY] + parts[1][SQUARES_KEY]).tolist() == whole[SQUARES_KEY].tolist()
+    # the control: shifting after the cut (what the loss did before shift_labels) loses the targets across chunk
+    # boundaries: token 7 of both rows (row 0: predicted at position 1, its token at position 2 in the other
+    # process's chunk; row 1: at position 1 of process 0, token 7 at position 2, again in the other chunk)
+    after = 0
+    for i in range(2):
+        kept = ContextShard(Collator(0), i, 2).kept(8)
+        after += int((shifted(parts[i]["labels"][:, kept]) != IGNORE_INDEX).sum())
+    assert after == 3
+
+
+@pytest.mark.parametrize("cp,length", [(2, 8), (2, 48), (4, 64)])
+def test_the_kept_positions_are_torchs_head_tail_layout(cp, length):
+    """What the context keeps on each process (torch's _HeadTailLoadBalancer, which the context uses for a
+    length divisible by 2 x cp) is what the bookkeeping counts."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    order = _HeadTailLoadBalancer(length, cp, "cpu")._generate_indices()[0]
+    for rank in range(cp):
+        torchs = order.chunk(cp)[rank]
+        assert ContextShard(Collator(0), rank, cp).kept(length).tolist() == torchs.tolist()
+
+
+def test_a_context_parallel_launch_is_planned_and_labelled(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "4")
+    plan = ParallelPlan.from_launch()
+    assert (plan.label, plan.mesh, plan.cp, plan.sp, plan.group) == ("fsdp_cp", "dp_shard=2,cp=4", 4, 1, 4)
+
+    class Rank:
+        num_processes, process_index = 8, 6
+
+    assert (plan.data_rank(Rank), plan.data_ranks(Rank), plan.context_slice(Rank)) == (1, 2, (2, 4))
+    assert plan.sequence_slice(Rank) is None
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.packing=true"], "data.packing=true is not supported under accelerate_configs/fsdp_cp.yaml"),
+    (["data.streaming=true", "training.max_steps=5"], "data.streaming=true is not supported"),
+    (["model.attn_implementation=eager"], "model.attn_implementation=eager is not supported under accelerate_"
+                                          "configs/fsdp_cp.yaml (cp_size > 1): torch's ring attention replaces "
+                                          "sdpa's kernels only"),
+])
+def test_what_the_ring_cannot_train_is_refused_in_one_line(overrides, expected):
+    from disttrain.recipe.compat import check_sequence_parallel
+    from disttrain.recipe.schema import load_recipe
+
+    recipe = load_recipe(str(REPO / "recipes/tiny/sft.yaml"), overrides)
+    check_sequence_parallel(recipe, 1, 1)  # without context parallelism all of these train
+    with pytest.raises(DisttrainError) as error:
+        check_sequence_parallel(recipe, 1, 2)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "['sliding_attention'] layers: not supported"),
+    ({"sliding_window": 4096}, "['sliding_attention'] layers: not supported"),
+    ({"output_router_logits": True}, "the router's load-balancing loss) is not supported"),
+])
+def test_models_the_sequence_meshes_would_train_wrongly_are_refused(config, expected):
+    from types import SimpleNamespace
+
+    from disttrain.recipe.compat import check_sequence_model
+
+    model_config = SimpleNamespace(**config)
+    check_sequence_model(model_config, 1, 1)
+    for sp, cp in ((2, 1), (1, 2)):
+        with pytest.raises(DisttrainError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            check_sequence_model(model_config, sp, cp)
