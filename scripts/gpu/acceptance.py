@@ -100,6 +100,7 @@ from harness import FAIL, INFO, MAX_LOG_TAIL, PASS, REPO, SKIP, Ctx, Fail, Setti
 from items.adapters import adapter  # noqa: E402
 from items.dpo import dpo  # noqa: E402
 from items.evaluation import eval_during_training  # noqa: E402
+from items.long_context import long_context_single  # noqa: E402
 from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
 from items.moe import moe_lora  # noqa: E402
@@ -146,6 +147,9 @@ ITEMS = [
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
     Item("offload_activations", offload_activations, 25, 90, True, alone=True),
     Item("mfu", mfu, 90, 180, False, alone=True),
+    # an 8B model built on the GPU, then 16k, 32k, 64k tokens: the longest that fits one GPU (LoRA, checkpointing,
+    # activation offload); its own memory figures, so never beside another item
+    Item("long_context_single", long_context_single, 240, 420, True, alone=True),
     Item("loss_memory", loss_memory, 80, 200, False, alone=True),
 ]
 
