@@ -89,8 +89,10 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
     if sizes is None:
         return None, 1, 1
     if sizes["tp"] > 1:
-        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet: disttrain's meshes "
-                             "are dp_replicate x dp_shard (accelerate_configs/hsdp.yaml), context parallelism under "
+        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet (accelerate 1.15's "
+                             "FSDP2 + TP path imports transformers' ReplicateParallel, which transformers 5 removed, "
+                             "and the chunked loss needs a vocabulary-parallel head): disttrain's meshes are "
+                             "dp_replicate x dp_shard (accelerate_configs/hsdp.yaml), context parallelism under "
                              "FSDP2 (fsdp_cp.yaml) and Ulysses sp under ZeRO (zero3_ulysses.yaml); set it to 1")
     if sizes["cp"] > 1:
         if strategy != "fsdp" or sizes["dp_replicate"] > 1 or sizes["sp"] > 1:
