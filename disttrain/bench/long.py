@@ -128,7 +128,7 @@ def write(out: Path, args, rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sp", default="1,2", help="Ulysses sizes under ZeRO-3; 1 = plain ZeRO-3 (the reference); '' none")
+    parser.add_argument("--sp", default="1,2", help="Ulysses sizes under ZeRO-3; 1 = plain ZeRO-3 (the reference)")
     parser.add_argument("--cp", default="", help="context-parallel sizes under FSDP2; 1 = plain FSDP2 (the reference)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--floor-seq", type=int, default=128)

@@ -49,8 +49,8 @@ def opened(path: str) -> Iterator[Target]:
         yield resolve(path)
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise DisttrainError(f"make eval: {where} is a checkpoint: export it once (python -m disttrain.model."
-                             "from_checkpoint <checkpoint> <out dir>) and launch the data-parallel evaluation on that dir")
+        raise DisttrainError(f"make eval: {where} is a checkpoint: export it once (make export CHECKPOINT=...) "
+                             "and launch the data-parallel evaluation on the exported dir")
     run_dir = where.parent.parent
     exported = run_dir / "eval" / f"{where.name}.model"
     try:

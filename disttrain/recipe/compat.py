@@ -146,10 +146,10 @@ def check_sequence_parallel(recipe: Recipe, sp: int, cp: int = 1) -> None:
 
 
 def check_sequence_model(config, sp: int, cp: int) -> None:
-    """What only the model's config says (checked once it is loaded, before accelerate wraps it): both attend
-    with full causal attention only (no mask travels with the slices), and the router's load-balancing loss of a mixture of experts would
-    be computed per slice, not over the sequence (it is not additive over positions), so it would differ from
-    one process's."""
+    """What only the model's config says (checked once it is loaded, before accelerate wraps it): both meshes
+    attend with full causal attention only (no mask travels with the slices), and the router's load-balancing
+    loss of a mixture of experts would be computed per slice, not over the sequence (it is not additive over
+    positions), so it would differ from one process's."""
     if sp == 1 and cp == 1:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -6,7 +6,7 @@ ParallelismConfig, `sp`) groups sp consecutive processes around one sequence: th
 each keeps 1/sp of every sequence (data.collation.SequenceShard), so the data rank is process // sp. Context
 parallelism (torch's ring attention under FSDP2, `cp`) groups cp consecutive processes the same way; each gets
 the whole sequence from the loader (data.collation.ContextShard) and accelerate's context cuts it in place for
-every micro-batch (`context_parallel`), forward and backward inside it. The rest
+every micro-batch (`micro_batch_context`), forward and backward inside it. The rest
 of the run asks the plan, never the environment: the strategy and its label for output.dir, the ZeRO stage,
 the checkpoint's strategy and mesh, which data rank this process is and how many there are (the feed shards
 by them), which slice of each sequence it keeps. Token counts and losses are reduced over every process: each
