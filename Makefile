@@ -91,6 +91,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# the editable package's bytecode, once: with PYTHONDONTWRITEBYTECODE=1 (CI) every launched process would
+	@# otherwise compile disttrain/ from source again (~0.1 s each, ~190 launches x 3 processes in `make test`)
+	$(PY) -m compileall -q disttrain
 	touch $@
 
 tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
