@@ -14,15 +14,15 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, assert_ok, launch
+from conftest import REPO, assert_ok
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, TARGETS_KEY, Collator
 from disttrain.data.collation import ContextShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.runtime.launcher import cpu_ring_env, free_port
 from disttrain.runtime.plan import ParallelPlan
-from strategy_runs import CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, matrix_recipe
-from strategy_runs import small_data, strategy_run
+from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
+from strategy_runs import strategy_run
 
 MESH = "dp_shard=1,cp=2"
 RING_ON_CPU = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"}
@@ -60,12 +60,7 @@ def test_context_parallelism_trains_like_one_process(lora, runs, tiny_model_dir)
 @pytest.mark.launch
 def test_context_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tmp_path):
     out, _ = cp_run(runs, tiny_model_dir, False)
-    checkpoint = out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
-    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "resumed", processes=1)
-    proc = launch("fsdp_cp", recipe, nproc=2, overrides=[f"output.resume={checkpoint}"], env=RING_ON_CPU)
-    assert_ok(proc)
-    assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
-    assert_same_run(out, tmp_path / "resumed", lora=False, first_step=CHECKPOINT_EVERY + 1)
+    assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "fsdp_cp", tmp_path, env=RING_ON_CPU)
 
 
 ROWS = [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9]},

@@ -13,15 +13,15 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, launch
+from conftest import REPO, assert_ok
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, Collator
 from disttrain.data.collation import SequenceShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
-from strategy_runs import CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, matrix_recipe
-from strategy_runs import small_data, strategy_run
+from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
+from strategy_runs import strategy_run
 
 MESH = "dp_shard=1,sp=2"
 
@@ -54,12 +54,7 @@ def test_ulysses_trains_like_one_process(lora, runs, tiny_model_dir):
 @pytest.mark.launch
 def test_ulysses_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tmp_path):
     out, _ = ulysses_run(runs, tiny_model_dir, False)
-    checkpoint = out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
-    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "resumed", processes=1)
-    proc = launch("zero3_ulysses", recipe, nproc=2, overrides=[f"output.resume={checkpoint}"])
-    assert_ok(proc)
-    assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
-    assert_same_run(out, tmp_path / "resumed", lora=False, first_step=CHECKPOINT_EVERY + 1)
+    assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "zero3_ulysses", tmp_path)
 
 
 ROWS = [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9]},
