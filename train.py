@@ -15,8 +15,10 @@ import os
 import signal
 import sys
 
-from disttrain.errors import exit_on_user_error
-from disttrain.runtime import guards
+from disttrain.runtime import startup
+startup.pause_collector()  # until the run is set up: disttrain/runtime/startup.py says why
+from disttrain.errors import exit_on_user_error  # noqa: E402
+from disttrain.runtime import guards  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,6 +35,7 @@ def main(argv=None):
 
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
+    startup.hide_unused_trackers(recipe.logging.report_to)  # before DeepSpeed imports mlflow for nothing
     guards.watch(recipe.distributed.timeout_s)  # a stuck rank says where it is stuck, before the timeout
 
     from accelerate.utils import set_seed
@@ -74,8 +77,6 @@ def main(argv=None):
 
     # 4. How long: the feed counts optimizer steps from its rows, the batch and the data ranks.
     feed = feed_for(recipe, train_set, tokenizer, plan, accelerator)
-    for note in feed.notes:
-        accelerator.print(note)
 
     # 5. Model, objective (collator + loss), optimizer, schedule, loaders -> prepared for the strategy.
     guards.at("loading the model")
@@ -93,9 +94,7 @@ def main(argv=None):
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
     model, optimizer, scheduler = feed.prepare(accelerator, collator, model, optimizer, scheduler)
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
-    if cfg.neftune_alpha:  # noisy embeddings while training (transformers' own hook; eval is untouched)
-        from transformers.integrations.neftune import activate_neftune
-        activate_neftune(model, cfg.neftune_alpha, accelerator)
+    loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator)  # NEFTune, if the recipe asks
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
     flops_meter, peak = meter_for(accelerator, recipe, model)
@@ -118,6 +117,7 @@ def main(argv=None):
     # 8. Train; SIGTERM (preemption, scancel) finishes the step, checkpoints and exits.
     signal.signal(signal.SIGTERM, loop.request_stop)
     start_trackers(accelerator, recipe)
+    startup.resume_collector()
     log = MetricsLogger(accelerator, recipe.output.dir, feed.total_steps, initial_step=state.step)
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,

@@ -105,6 +105,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=weight)
 
 
+# TEST_CPU_LOG=path: one JSON line per test with the CPU seconds it cost, its launches' processes included (the
+# suite is CPU-bound on CI's 2 cores, so CPU-s, not wall time, says where the time goes; a shared run is charged
+# to the test that made it). `make test TEST_CPU_LOG=/tmp/cpu.jsonl`, then sort by "cpu_s".
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    start_cpu, start_wall = cpu(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(cpu() - start_cpu, 1), "wall_s": round(time.monotonic() - start_wall, 1)}
+    with open(path, "a") as log:
+        log.write(json.dumps(row) + "\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(runs, tiny_model_dir) -> Path:
     """A tiny Qwen3-MoE (4 experts per block, 2 per token; the published config's router loss off) with the

@@ -97,7 +97,12 @@ class StreamFeed:
 
 
 def feed_for(recipe, train_set, tokenizer, plan, accelerator) -> MapFeed | StreamFeed:
+    """The recipe's feed for this process; its notes (which shards go where) printed once."""
     if recipe.data.streaming:
-        return StreamFeed(recipe, tokenizer, plan.data_rank(accelerator), plan.data_ranks(accelerator))
-    return MapFeed(recipe, train_set, plan.data_rank(accelerator), plan.data_ranks(accelerator),
-                   plan.sequence_slice(accelerator), plan.context_slice(accelerator))
+        feed = StreamFeed(recipe, tokenizer, plan.data_rank(accelerator), plan.data_ranks(accelerator))
+    else:
+        feed = MapFeed(recipe, train_set, plan.data_rank(accelerator), plan.data_ranks(accelerator),
+                       plan.sequence_slice(accelerator), plan.context_slice(accelerator))
+    for note in feed.notes:
+        accelerator.print(note)
+    return feed

@@ -90,6 +90,15 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
     return get_peft_model(model, config)
 
 
+def add_embedding_noise(model, alpha: float | None, accelerator) -> None:
+    """NEFTune (training.neftune_alpha): uniform noise on the input embeddings while training, through
+    transformers' own hook; evaluation and generation see clean embeddings."""
+    if alpha:
+        from transformers.integrations.neftune import activate_neftune
+
+        activate_neftune(model, alpha, accelerator)
+
+
 def count_parameters(model) -> tuple[int, int]:
     from disttrain.metrics.flops import numel
 
