@@ -35,7 +35,6 @@ def main(argv=None):
 
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    startup.hide_unused_trackers(recipe.logging.report_to)  # before DeepSpeed imports mlflow for nothing
     guards.watch(recipe.distributed.timeout_s)  # a stuck rank says where it is stuck, before the timeout
 
     from accelerate.utils import set_seed

@@ -6,5 +6,5 @@
     guards.py    hangs named by phase and step, replica checksums, loss spread, collective failures in one line
     launcher.py  `accelerate launch` command lines for tools and tests; killing a launch's process tree
     ports.py     the rendezvous port: free, or who holds it
-    startup.py   what each process pays before its first step, cheaper: the collector paused, mlflow hidden
+    startup.py   what each process pays before its first step, cheaper: the garbage collector paused
 """

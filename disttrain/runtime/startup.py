@@ -1,14 +1,12 @@
 """What every process of every launch pays before its first step, made cheaper without changing what runs.
 
 A launch's first seconds are imports (torch, transformers, datasets, accelerate, DeepSpeed): about a million
-Python objects, created again by each process of each launch and relaunch. Two costs in them are not the
-libraries' work:
-
-- the cyclic garbage collector, which runs again and again while those objects are created and finds almost
-  nothing to free: train.py pauses it from its first import until the run is set up (`pause_collector`,
-  `resume_collector`, which frees what set-up left in one pass);
-- mlflow, which `import deepspeed` imports whenever it is installed (for DeepSpeed's autotuner; pandas,
-  fastapi and more, ~1.3 CPU-s): a run that does not log to mlflow hides it (`hide_unused_trackers`).
+Python objects, created again by each process of each launch and relaunch. One cost in them is not the
+libraries' work: the cyclic garbage collector, which runs again and again while those objects are created
+and finds almost nothing to free. train.py pauses it from its first import until the run is set up
+(`pause_collector`), then frees what set-up left in one pass and lets it run as usual (`resume_collector`).
+(The other such cost, mlflow imported by `import deepspeed`, is cut where DeepSpeed is imported:
+runtime/backends.py, `_import_deepspeed_without_mlflow`.)
 
 Pausing the collector keeps no memory longer: at the end of set-up the one pass frees a few thousand small
 objects and no tensor (checked on CPU under DDP, FSDP2 and ZeRO-3, full, LoRA and DPO, a 104M-parameter
@@ -22,7 +20,6 @@ before torch is imported.
 from __future__ import annotations
 
 import gc
-import sys
 
 
 def pause_collector() -> None:
@@ -34,10 +31,3 @@ def resume_collector() -> None:
     gc.collect()
     gc.enable()
 
-
-def hide_unused_trackers(report_to) -> None:
-    """mlflow invisible to this process unless the recipe logs to it: `import mlflow` then raises ImportError
-    and `importlib.util.find_spec("mlflow")` is None, exactly as without it (DeepSpeed's and accelerate's
-    availability checks both read it so)."""
-    if "mlflow" not in report_to:
-        sys.modules.setdefault("mlflow", None)
