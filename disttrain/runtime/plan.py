@@ -89,7 +89,7 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
     if sizes is None:
         return None, 1, 1
     if sizes["tp"] > 1:
-        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet (accelerate 1.15's "
+        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet (accelerate 1.15-1.16's "
                              "FSDP2 + TP path imports transformers' ReplicateParallel, which transformers 5 removed, "
                              "and the chunked loss needs a vocabulary-parallel head): disttrain's meshes are "
                              "dp_replicate x dp_shard (accelerate_configs/hsdp.yaml), context parallelism under "
