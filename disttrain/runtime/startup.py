@@ -30,4 +30,3 @@ def resume_collector() -> None:
     """Before the training loop: free whatever cycles set-up left (once), then collect as usual."""
     gc.collect()
     gc.enable()
-
