@@ -2,6 +2,9 @@
 in docs/benchmarks.md, "Start-up"."""
 
 import gc
+
+import pytest
+
 from disttrain.runtime import startup
 
 
@@ -14,6 +17,26 @@ def test_the_collector_is_paused_then_running_again():
         startup.resume_collector()
     assert gc.isenabled()
 
+
+
+
+@pytest.mark.parametrize("allocated_mib, says", [((10, 2), True), ((10, 9.5), False), ((4, 4), False)])
+def test_on_a_gpu_the_pass_says_how_much_gpu_memory_set_up_left_in_cycles(allocated_mib, says, monkeypatch, capsys):
+    """The signal the GPU acceptance run reads (scripts/gpu/items/finetune.py): one line when the pass that
+    ends the pause frees >= 1 MiB of GPU memory, none otherwise (torch.cuda's counters faked on this CPU)."""
+    import torch
+
+    readings = iter(int(mib * 2**20) for mib in allocated_mib)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: next(readings))
+    startup.pause_collector()
+    startup.resume_collector()
+    assert gc.isenabled()
+    err = capsys.readouterr().err
+    assert (startup.CYCLES_HELD_GPU_MEMORY in err) is says, err
+    if says:
+        assert "8 MiB of GPU memory" in err
 
 
 def test_train_py_pauses_the_collector_before_its_heavy_imports():

@@ -6,6 +6,8 @@ from __future__ import annotations
 from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read_metrics, recipe, \
     require_finite_losses, train
 
+from disttrain.runtime.startup import CYCLES_HELD_GPU_MEMORY
+
 def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1) -> tuple[str, str]:
     """Uninterrupted vs a new launch resumed from the uninterrupted run's step-N/2 checkpoint: the same
     per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
@@ -25,8 +27,11 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
     if config in ("zero3_ulysses", "fsdp_cp"):  # the sequence meshes attend without a mask: no packing
         data["packing"] = False
     a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
-    _, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data), nproc=nproc)
+    first, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data), nproc=nproc)
     ref = require_finite_losses(a, n, log_a)
+    held = [line for line in first.stdout.splitlines() if CYCLES_HELD_GPU_MEMORY in line]
+    if held:  # the collector is paused while a run is set up (disttrain/runtime/startup.py): it held GPU memory
+        raise Fail(held[0], log_a)
     saved = a / "checkpoints" / f"step-{stop:08d}"
     second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data),
                           (f"output.resume={saved}",), nproc=nproc)
