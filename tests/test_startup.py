@@ -18,8 +18,6 @@ def test_the_collector_is_paused_then_running_again():
     assert gc.isenabled()
 
 
-
-
 @pytest.mark.parametrize("allocated_mib, says", [((10, 2), True), ((10, 9.5), False), ((4, 4), False)])
 def test_on_a_gpu_the_pass_says_how_much_gpu_memory_set_up_left_in_cycles(allocated_mib, says, monkeypatch, capsys):
     """The signal the GPU acceptance run reads (scripts/gpu/items/finetune.py): one line when the pass that

@@ -8,6 +8,7 @@ from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read
 
 from disttrain.runtime.startup import CYCLES_HELD_GPU_MEMORY
 
+
 def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1) -> tuple[str, str]:
     """Uninterrupted vs a new launch resumed from the uninterrupted run's step-N/2 checkpoint: the same
     per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
