@@ -34,6 +34,25 @@ _DATASETS_CACHE = tempfile.mkdtemp(prefix=f"disttrain-tests-{os.environ.get('PYT
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_DATASETS_CACHE, "datasets")
 atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 
+
+
+def pytest_configure(config):
+    """Start this test process's warm launcher (tests/warm/server.py): the suite's `accelerate launch` runs
+    fork their workers from imports made once. Not for the unit tests alone (`make test-fast`), not in the
+    xdist controller (it runs no test), and not with DISTTRAIN_WARM=0 (every launch on the real launcher)."""
+    controller = not os.environ.get("PYTEST_XDIST_WORKER") and (config.getoption("numprocesses", None) or 0) != 0
+    if controller or os.environ.get("DISTTRAIN_WARM") == "0" or "not launch" in (config.getoption("markexpr") or ""):
+        return
+    socket_path = os.path.join(_DATASETS_CACHE, "warm.sock")
+    # the server's own output (which launches went to the real launcher, and why), kept after the session
+    log = open(os.path.join(tempfile.gettempdir(), f"disttrain-warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "server.py"), socket_path],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    atexit.register(server.kill)
+    os.environ["DISTTRAIN_LAUNCHER"] = str(REPO / "tests" / "warm" / "client.py")
+    os.environ["DISTTRAIN_WARM_SOCKET"] = socket_path
+
+
 class SharedRuns:
     """Runs that several tests read, made once per test session whichever test process asks first.
 
@@ -121,9 +140,14 @@ def pytest_runtest_protocol(item, nextitem):
     def cpu() -> float:
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    warm_log = Path(_DATASETS_CACHE) / "warm-cpu.log"  # the warm launcher's workers are not our children
+    os.environ["DISTTRAIN_WARM_CPU_LOG"] = str(warm_log)
+    warm_log.write_text("")
     start_cpu, start_wall = cpu(), time.monotonic()
     yield
-    row = {"test": item.nodeid, "cpu_s": round(cpu() - start_cpu, 1), "wall_s": round(time.monotonic() - start_wall, 1)}
+    warm_cpu = sum(float(line) for line in warm_log.read_text().split())
+    row = {"test": item.nodeid, "cpu_s": round(cpu() - start_cpu + warm_cpu, 1),
+           "wall_s": round(time.monotonic() - start_wall, 1)}
     with open(path, "a") as log:
         log.write(json.dumps(row) + "\n")
 
@@ -198,10 +222,17 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def real_launcher(cmd: list[str]) -> list[str]:
+    """The command with `accelerate launch` itself in place of the warm launcher: for launches whose launcher
+    or ranks a test signals or kills (the warm launcher's workers are not the launcher's children)."""
+    warm = os.environ.get("DISTTRAIN_LAUNCHER")
+    return [cmd[0], "-m", "accelerate.commands.launch", *cmd[2:]] if warm and cmd[1] == warm else cmd
+
+
 def start_launch(config, recipe_path: Path, log_path: Path | None = None, nproc: int = 2,
                  env: dict | None = None) -> subprocess.Popen:
     """`launch` in the background, to signal or kill its ranks; output goes to log_path (or is discarded)."""
-    cmd = launch_command(config, nproc, "train.py", "--recipe", str(recipe_path))
+    cmd = real_launcher(launch_command(config, nproc, "train.py", "--recipe", str(recipe_path)))
     out = log_path.open("w") if log_path else subprocess.DEVNULL
     try:
         return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
