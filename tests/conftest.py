@@ -48,7 +48,13 @@ def pytest_configure(config):
     log = open(os.path.join(tempfile.gettempdir(), f"disttrain-warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
     server = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "server.py"), socket_path],
                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    atexit.register(server.kill)
+    def stop() -> None:  # waited for: its CPU and its launches' count as this process's children's
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    atexit.register(stop)
     os.environ["DISTTRAIN_LAUNCHER"] = str(REPO / "tests" / "warm" / "client.py")
     os.environ["DISTTRAIN_WARM_SOCKET"] = socket_path
 

@@ -90,9 +90,12 @@ def serve(path: str) -> None:
     gc.collect()
     gc.freeze()  # the imported objects stay out of the children's collections (and their pages shared)
     gc.enable()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launch processes are reaped without waiting on them
+    # Ended by the test process (SIGTERM, then it waits): every launch process reaped by then, so their CPU
+    # (their workers' included) is counted in the test process's children, as a real launcher's would be.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         ready, _, _ = select.select([listener], [], [], 1.0)
+        _reap()
         if os.getppid() != parent:  # the test process is gone
             return
         if not ready:
@@ -101,7 +104,7 @@ def serve(path: str) -> None:
         sys.stdout.flush(), sys.stderr.flush()
         if os.fork() == 0:
             listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
                 code = _serve_launch(conn)
             except BaseException:  # noqa: BLE001  (anything: the client must hear an answer)
@@ -113,6 +116,15 @@ def serve(path: str) -> None:
                 _answer(conn, {"exit": code, "workers_cpu_s": round(_WORKERS_CPU_S, 2)})
             os._exit(0)
         conn.close()
+
+
+def _reap() -> None:
+    """Launch processes that have ended (without this they would stay zombies, their CPU never counted)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def _answer(conn: socket.socket, message: dict) -> None:
