@@ -192,7 +192,7 @@ cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --t
 # whichever process asks first (tests/conftest.py, SharedRuns). TEST_JOBS=0: one process.
 TEST_JOBS   ?= 2
 
-test: tiny ## the whole suite, what CI runs: unit tests + real multi-process launches on CPU (TEST_JOBS processes)
+test: tiny ## the whole suite, what CI runs: unit tests + multi-process launches on CPU, workers forked warm (TEST_JOBS processes)
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: tiny ## the unit tests only, no launches, no downloads (~30 s): the inner loop while developing

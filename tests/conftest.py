@@ -35,7 +35,6 @@ os.environ["HF_DATASETS_CACHE"] = os.path.join(_DATASETS_CACHE, "datasets")
 atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 
 
-
 def pytest_configure(config):
     """Start this test process's warm launcher (tests/warm/server.py): the suite's `accelerate launch` runs
     fork their workers from imports made once. Not for the unit tests alone (`make test-fast`), not in the
@@ -48,6 +47,7 @@ def pytest_configure(config):
     log = open(os.path.join(tempfile.gettempdir(), f"disttrain-warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
     server = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "server.py"), socket_path],
                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
     def stop() -> None:  # waited for: its CPU and its launches' count as this process's children's
         server.terminate()
         try:
@@ -113,11 +113,11 @@ def tiny_model_dir(runs) -> Path:
     return runs.get("tiny-llama", lambda folder: build_model_dir(folder / "tiny-llama"))
 
 
-# Tests whose wall time is longest (measured in CI: 60-120 s each), run first among the launches.
-LONGEST = ("test_strategy_matches_single_process", "test_acceptance_dry_run_records_every_item",
-           "test_compiled_run_matches_eager_losses_without_recompiles", "test_bench_data_measures_ours_floor_memory_and_the_first_step",
-           "test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s",
-           "test_full_dpo_matches_single_process")
+# Tests whose wall time is longest (measured with the warm launcher: 20-60 s each), run first among the launches.
+LONGEST = ("test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s",
+           "test_acceptance_dry_run_records_every_item", "test_bench_data_measures_ours_floor_memory_and_the_first_step",
+           "test_strategies_one_after_another_with_the_defaults", "test_make_eval_equals_lm_evals_command_line_on_the_same_model",
+           "test_two_nodes_train_like_one")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,6 +26,11 @@ def main(argv: list[str]) -> None:
         conn.connect(path)
     except OSError:
         real_launcher(argv)
+    for fd in (0, 1, 2):  # a closed one (stdin, under some CI runners) becomes /dev/null: the server takes three
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}) + "\n"
     socket.send_fds(conn, [request.encode()], [0, 1, 2])
     answer = b""

@@ -42,9 +42,10 @@ REPO = Path(__file__).resolve().parents[2]
 _IMPORT_TIME_VARIABLES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH",
                           "PYTORCH", "DS_", "DEEPSPEED", "ACCELERATE_", "CUDA", "MKL", "KMP", "LD_", "XDG_", "HOME",
                           "MLFLOW", "BITSANDBYTES", "TRITON", "TMPDIR")
-# ... except these: set by scikit-learn's import in the tools that launch (lm-eval's), read only where two OpenMP
-# runtimes are loaded, which torch's build here never does
-_SET_BY_TOOLS = ("KMP_DUPLICATE_LIB_OK",)
+# ... except these, set by imports in the tools that launch (lm-eval's): KMP_DUPLICATE_LIB_OK (scikit-learn's) is
+# read only where two OpenMP runtimes are loaded, which torch's build here never does; HF_XET_HIGH_PERFORMANCE
+# (lm-eval's) only by downloads, and launches here download nothing (HF_HUB_OFFLINE)
+_SET_BY_TOOLS = ("KMP_DUPLICATE_LIB_OK", "HF_XET_HIGH_PERFORMANCE")
 
 
 _START_ENV: dict = {}  # the server's environment before its imports: what a launch's environment is compared with
