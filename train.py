@@ -92,6 +92,7 @@ def main(argv=None):
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
     model, optimizer, scheduler = feed.prepare(accelerator, collator, model, optimizer, scheduler)
+    guards.hold_until_exit(accelerator, model, optimizer)  # freed at os._exit, not before: guards says why
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator)  # NEFTune, if the recipe asks
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
