@@ -166,7 +166,6 @@ def watch(timeout_s: float, check_every_s: float | None = None) -> None:
     threading.Thread(target=run, name="disttrain-stall-watch", daemon=True).start()
 
 
-
 _held: list = []
 
 
@@ -175,9 +174,10 @@ def hold_until_exit(*objects) -> None:
     train.py ends the process with os._exit, instead of letting them go when main() returns. Freed there, the
     last reference to a gloo process group runs ~ProcessGroupGloo with the GIL held; it joins gloo's work
     thread, which may still be releasing the last collective's tensors and needs the GIL for that: the rank
-    then hangs forever after a complete run (seen under load, about one launch in 200: main thread in
-    ~ProcessGroupGloo <- ~Reducer, gloo's thread in take_gil)."""
+    then hangs forever after a complete run (seen: one of the test suite's ~200 launches, 4 of 68 on a loaded
+    machine; main thread in ~ProcessGroupGloo <- ~Reducer, gloo's thread in take_gil; pytorch#56297)."""
     _held.extend(objects)
+
 
 # ----------------------------------------------------------------------------- replica consistency
 def holds_full_weights(model) -> bool:
