@@ -15,5 +15,6 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 train.main(sys.argv[1:])
 alive = any(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
 sys.stdout.flush()
-os.write(1, f"rank {os.environ['RANK']}: DistributedDataParallel alive after main: {alive}\n".encode())  # one write: ranks share the pipe
+line = f"rank {os.environ['RANK']}: DistributedDataParallel alive after main: {alive}\n"
+os.write(1, line.encode())  # in one write: the ranks share the pipe
 os._exit(0)
