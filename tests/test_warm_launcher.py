@@ -12,9 +12,9 @@ import pytest
 
 from conftest import REPO, assert_ok, launch_command, real_launcher
 
+NO_WARM = os.environ.get("DISTTRAIN_WARM") == "0"
 pytestmark = [pytest.mark.launch,
-              pytest.mark.skipif(os.environ.get("DISTTRAIN_WARM") == "0",
-                                 reason="DISTTRAIN_WARM=0: every launch is on the real launcher, no warm one to compare")]
+              pytest.mark.skipif(NO_WARM, reason="DISTTRAIN_WARM=0: every launch is real, no warm one to compare")]
 
 CONFIGS = sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
 # what differs from one launch to the next, or between torchrun's agent and no agent (the warm launcher has

@@ -21,16 +21,17 @@ def main(argv: list[str]) -> None:
     path = os.environ.get("DISTTRAIN_WARM_SOCKET")
     if not path:
         real_launcher(argv)
+    for fd in (0, 1, 2):  # a closed one (stdin, under some CI runners) becomes /dev/null: the server takes three;
+        # before the socket, which would otherwise take the free descriptor
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
     except OSError:
         real_launcher(argv)
-    for fd in (0, 1, 2):  # a closed one (stdin, under some CI runners) becomes /dev/null: the server takes three
-        try:
-            os.fstat(fd)
-        except OSError:
-            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}) + "\n"
     socket.send_fds(conn, [request.encode()], [0, 1, 2])
     answer = b""
