@@ -216,8 +216,14 @@ def launch(config, recipe_path: Path, nproc: int = 2, overrides=(), script: str 
            extra_args=(), timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` exactly as a user types it
     (`config` may also be the path of another .yaml; `extra_args` go to the launcher)."""
-    cmd = launch_command(config, nproc, script, "--recipe", str(recipe_path), *overrides,
-                         launcher_args=tuple(extra_args))
+    return launch_script(config, script, ["--recipe", str(recipe_path), *overrides], nproc, extra_args, timeout, env)
+
+
+def launch_script(config, script: str, args, nproc: int = 2, extra_args=(), timeout: int = 600,
+                  env=None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml SCRIPT ARGS`; its ranks are killed
+    with it after `timeout`."""
+    cmd = launch_command(config, nproc, script, *args, launcher_args=tuple(extra_args))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
     try:

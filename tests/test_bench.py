@@ -21,7 +21,7 @@ pytestmark = pytest.mark.launch
 def test_bench_writes_results_for_each_strategy(tmp_path, tiny_model_dir):
     out = tmp_path / "bench"
     bench_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--strategies", "ddp,zero2", "--steps", "6",
-                "--warmup", "2", "--out", str(out), f"model.name_or_path={tiny_model_dir}"])
+                "--warmup", "2", "--out", str(out), "--timeout", "300", f"model.name_or_path={tiny_model_dir}"])
     results = json.loads((out / "results.json").read_text())
     assert [r["strategy"] for r in results["results"]] == ["ddp", "zero2"]
     for r in results["results"]:
@@ -31,6 +31,15 @@ def test_bench_writes_results_for_each_strategy(tmp_path, tiny_model_dir):
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / results["results"][0]["peak_tflops_per_device"])
     assert "| zero2 |" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 10_000
+
+
+def test_a_launch_past_its_timeout_is_killed_and_named_in_one_line(tmp_path, tiny_model_dir):
+    """A hung launch (CI once waited 20 min on a rank that never exited) stops at --timeout with its reason."""
+    out = tmp_path / "bench"
+    with pytest.raises(DisttrainError, match=r"^bench: ddp failed \(killed after 0.01s, its time limit\); log: "):
+        bench_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--strategies", "ddp", "--steps", "6",
+                    "--warmup", "2", "--out", str(out), "--timeout", "0.01", f"model.name_or_path={tiny_model_dir}"])
+    assert (out / "runs" / "ddp" / "launch.log").read_text().endswith("(killed after 0.01s)")
 
 
 def test_summary_weights_windows_by_their_steps():
@@ -47,8 +56,8 @@ def test_bench_overhead_compares_three_runners(tmp_path, tiny_model_dir):
     """One round end to end (three launches); how rounds combine is test_overhead_rounds_combine_by_median."""
     out = tmp_path / "overhead"
     overhead_main(["--recipe", str(REPO / "recipes/tiny/sft.yaml"), "--steps", "8", "--warmup", "4",
-                   "--rounds", "1", "--out", str(out), f"model.name_or_path={tiny_model_dir}", "data.packing=true",
-                   "--trainer-unpacked"])
+                   "--rounds", "1", "--out", str(out), "--timeout", "300", f"model.name_or_path={tiny_model_dir}",
+                   "data.packing=true", "--trainer-unpacked"])
     result = json.loads((out / "overhead.json").read_text())
     assert result["trainer_unpacked"] and "Trainer fed padded (unpacked) batches" in (out / "overhead.md").read_text()
     assert set(result["tokens_per_s_per_device"]) == {"disttrain", "raw_ddp", "hf_trainer"}

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import assert_ok, base_recipe, kill_launch, launch, rank_processes, start_launch, write_recipe
+from conftest import (assert_ok, base_recipe, kill_launch, launch, launch_script, rank_processes, start_launch,
+                      write_recipe)
 from disttrain.tools.diagnose import diagnose
 from strategy_runs import strategy_run
 
@@ -105,16 +106,25 @@ def test_correctly_seeded_lora_ranks_agree(runs, tiny_model_dir):
 
 
 @pytest.mark.launch
-def test_a_finished_rank_keeps_what_owns_its_process_group_until_it_exits(tmp_path, tiny_model_dir):
-    """Freed when main() returned, the DDP model took the last reference to the gloo process group, whose
-    destructor joins gloo's thread with the GIL held: a finished rank hung forever (once in the suite's ~200
-    launches, CI ran out its 90 min on it; 4 of 68 on a loaded machine). guards.hold_until_exit keeps it until
-    train.py's os._exit."""
+@pytest.mark.parametrize("entry", ["train.py-ddp", "train.py-fsdp", "train.py-zero3", "bench-raw", "bench-trainer",
+                                   "commbench"])
+def test_every_entry_point_keeps_its_process_group_until_it_exits(entry, tmp_path, tiny_model_dir):
+    """Freed before os._exit (by the DDP model as main() returned, or by destroy_process_group), the last
+    reference to a gloo process group runs its destructor, which joins gloo's thread with the GIL held: a
+    finished rank hung forever (train.py: once in the suite's ~200 launches, 4 of 68 on a loaded machine; the
+    bench's raw DDP loop: CI's bench-overhead test, killed after 20 min). Each entry point holds what owns it
+    (guards.hold_until_exit) until its os._exit."""
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(tiny_model_dir, tmp_path / "out", training={"max_steps": 2},
                                                            output={"save_final_model": False, "checkpoint_at_end": False}))
-    proc = launch("ddp", recipe, script="tests/scripts/after_main.py")
+    name, _, config = entry.partition("-")
+    peer = ["--recipe", str(recipe), "--steps", "2", "--warmup", "1", "--result", str(tmp_path / "peer.json")]
+    args = {"train.py": ["train.py", "--recipe", str(recipe)],
+            "bench": ["scripts/bench/peers.py", config, *peer],
+            "commbench": ["-m", "disttrain.tools.commbench", "--out", str(tmp_path / "comm.json"), "--max-bytes", "1024"],
+            }[name]
+    proc = launch_script(config if name == "train.py" else "ddp", "tests/scripts/exit_probe.py", args)
     assert_ok(proc)
-    alive = re.findall(r"rank (\d): DistributedDataParallel alive after main: (\w+)", proc.stdout)
+    alive = re.findall(r"rank (\d): process group alive at exit: (\w+)", proc.stdout)
     assert sorted(alive) == [("0", "True"), ("1", "True")], proc.stdout[-2000:]
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.runtime.launcher import REPO, launch_command, run_logged
+from disttrain.runtime.launcher import REPO, launch_command, run_logged, why_failed
 
 TOKENIZER = REPO / "artifacts" / "tiny-llama"
 WORDS = ("apple river stone tiger paper garden table violet ocean music planet silver green cloud bridge "
@@ -173,7 +173,7 @@ def first_step(path: Path, work: Path, max_seq_len: int) -> dict:
     started = time.time()
     proc = run_logged(cmd, work / "launch.log", timeout_s=1800, env={"HF_DATASETS_CACHE": str(work / "cache")})
     if proc.returncode != 0:
-        raise DisttrainError(f"bench-data: the DDP launch failed (exit {proc.returncode}); log: {work / 'launch.log'}")
+        raise DisttrainError(f"bench-data: the DDP launch failed ({why_failed(proc)}); log: {work / 'launch.log'}")
     from disttrain.metrics.log import read_metrics
 
     first = next(r for r in read_metrics(work / "run") if "loss" in r)

@@ -18,16 +18,17 @@ from pathlib import Path
 
 from disttrain.bench.strategies import run_strategy, summarize
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.runtime.launcher import launch_command, run_logged
+from disttrain.runtime.launcher import launch_command, run_logged, why_failed
 
 
-def run_peer(mode: str, recipe: str, nproc: int, steps: int, warmup: int, out: Path, overrides) -> float:
+def run_peer(mode: str, recipe: str, nproc: int, steps: int, warmup: int, out: Path, overrides,
+             timeout_s: float | None = None) -> float:
     result = out / f"{mode}.json"
     cmd = launch_command("ddp", nproc, "scripts/bench/peers.py", mode, *overrides, "--recipe", recipe,
                          "--steps", str(steps), "--warmup", str(warmup), "--result", str(result))
-    proc = run_logged(cmd, out / f"{mode}.log")
+    proc = run_logged(cmd, out / f"{mode}.log", timeout_s)
     if proc.returncode != 0:
-        raise DisttrainError(f"bench-overhead: {mode} failed (exit {proc.returncode}); log: {out / f'{mode}.log'}")
+        raise DisttrainError(f"bench-overhead: {mode} failed ({why_failed(proc)}); log: {out / f'{mode}.log'}")
     return json.loads(result.read_text())["tokens_per_s_per_device"]
 
 
@@ -42,13 +43,14 @@ def _one_round(args, out: Path, order: tuple[str, ...]) -> dict[str, float]:
         if runner == "disttrain":
             # train.py logs (one gather) every `warmup` steps, as a real run would, not every step
             records = run_strategy(args.recipe, "ddp", args.nproc, args.steps, out / "disttrain", args.overrides,
-                                   log_every=args.warmup)
+                                   log_every=args.warmup, timeout_s=args.timeout)
             result[runner] = summarize("ddp", records, args.warmup)["tokens_per_s_per_device"]
         elif runner == "raw_ddp":
-            result[runner] = run_peer("raw", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides)
+            result[runner] = run_peer("raw", args.recipe, args.nproc, args.steps, args.warmup, out, args.overrides,
+                                      args.timeout)
         else:
             result[runner] = run_peer("trainer", args.recipe, args.nproc, args.steps, args.warmup, out,
-                                      trainer_overrides)
+                                      trainer_overrides, args.timeout)
     return result
 
 
@@ -83,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the three runners, the order rotated each round; ratios are per round")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch (then it is killed)")
     parser.add_argument("--out", default="bench/overhead")
     parser.add_argument("--trainer-unpacked", action="store_true",
                         help="give the Trainer padded batches (data.packing=false), the others the recipe's data")

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.runtime.launcher import REPO, launch_command, run_logged
+from disttrain.runtime.launcher import REPO, launch_command, run_logged, why_failed
 from disttrain.metrics.log import read_metrics
 from disttrain.metrics.throughput import mfu_band
 
@@ -39,7 +39,7 @@ def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     proc = run_logged(cmd, run_dir / "launch.log", timeout_s, env)
     if proc.returncode != 0:
-        raise DisttrainError(f"bench: {strategy} failed (exit {proc.returncode}); log: {run_dir / 'launch.log'}")
+        raise DisttrainError(f"bench: {strategy} failed ({why_failed(proc)}); log: {run_dir / 'launch.log'}")
     return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
@@ -121,6 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch (then it is killed)")
     parser.add_argument("--out", default="bench")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(argv)
@@ -132,7 +133,8 @@ def main(argv=None) -> None:
         if not (REPO / "accelerate_configs" / f"{strategy}.yaml").is_file():
             raise DisttrainError(f"bench: no accelerate_configs/{strategy}.yaml")
         print(f"bench: {strategy} ...", flush=True)
-        records = run_strategy(args.recipe, strategy, args.nproc, args.steps, out / "runs" / strategy, args.overrides)
+        records = run_strategy(args.recipe, strategy, args.nproc, args.steps, out / "runs" / strategy, args.overrides,
+                               timeout_s=args.timeout)
         rows.append(summarize(strategy, records, args.warmup))
         print(f"bench: {strategy}: {rows[-1]['tokens_per_s_per_device']:,.0f} tokens/s/device, "
               f"MFU {rows[-1]['mfu']:.1%}", flush=True)

@@ -175,7 +175,8 @@ def hold_until_exit(*objects) -> None:
     last reference to a gloo process group runs ~ProcessGroupGloo with the GIL held; it joins gloo's work
     thread, which may still be releasing the last collective's tensors and needs the GIL for that: the rank
     then hangs forever after a complete run (seen: one of the test suite's ~200 launches, 4 of 68 on a loaded
-    machine; main thread in ~ProcessGroupGloo <- ~Reducer, gloo's thread in take_gil; pytorch#56297)."""
+    machine; main thread in ~ProcessGroupGloo <- ~Reducer, gloo's thread in take_gil; pytorch#56297). The
+    bench's raw DDP loop and commbench hold theirs the same way (tests/test_guards.py checks each one)."""
     _held.extend(objects)
 
 

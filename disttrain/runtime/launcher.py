@@ -4,6 +4,7 @@ the output kept in a log file next to the run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,3 +82,9 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float | None = None,
         raise
     log_path.write_text(stdout + "\n" + stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def why_failed(proc: subprocess.CompletedProcess) -> str:
+    """"exit N", or what run_logged appended when it killed the launch at its timeout."""
+    killed = re.search(r"\(killed after [\d.]+s\)$", proc.stderr or "")
+    return f"{killed.group(0)[1:-1]}, its time limit" if killed else f"exit {proc.returncode}"

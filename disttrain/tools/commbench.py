@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disttrain.runtime import guards
+
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
 
 
@@ -122,6 +124,7 @@ def main(argv=None) -> None:
             json.dump(payload, f, indent=1)
         os.replace(tmp, args.out)
     dist.barrier()
+    guards.hold_until_exit(dist.group.WORLD)  # its destructor runs at os._exit, not here: guards says why
     dist.destroy_process_group()
 
 

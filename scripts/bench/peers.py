@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from disttrain import data  # noqa: E402
 from disttrain.model import loading as modeling
 from disttrain.recipe.schema import load_recipe  # noqa: E402
+from disttrain.runtime import guards  # noqa: E402
 
 
 def setup(args):
@@ -44,6 +45,7 @@ def raw_loop(args):
     model = modeling.load_model(recipe.model, recipe.lora)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
+    guards.hold_until_exit(ddp, optimizer)  # freed at os._exit, not when raw_loop returns: guards says why
     sampler = torch.utils.data.distributed.DistributedSampler(train_set, world, rank, shuffle=True, seed=cfg.seed,
                                                               drop_last=True)
     loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
@@ -105,8 +107,9 @@ def trainer(args):
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, remove_unused_columns=False, seed=cfg.seed,
         disable_tqdm=True)
     model = modeling.load_model(recipe.model, recipe.lora)
-    Trainer(model=model, args=training_args, train_dataset=train_set, data_collator=collator,
-            callbacks=[timer]).train()
+    hf = Trainer(model=model, args=training_args, train_dataset=train_set, data_collator=collator, callbacks=[timer])
+    guards.hold_until_exit(hf)  # its DDP model owns a reference to the process group, as in train.py
+    hf.train()
     tokens = sum(counted[timer.batches_before: timer.batches_before + (args.steps - args.warmup) * cfg.grad_accum])
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.result).write_text(json.dumps({"tokens_per_s_per_device": tokens / timer.elapsed}))
