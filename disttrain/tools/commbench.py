@@ -124,7 +124,7 @@ def main(argv=None) -> None:
             json.dump(payload, f, indent=1)
         os.replace(tmp, args.out)
     dist.barrier()
-    guards.hold_until_exit(dist.group.WORLD)  # its destructor runs at os._exit, not here: guards says why
+    guards.hold_until_exit(dist.group.WORLD)  # freed at os._exit, not by destroy below: guards says why
     dist.destroy_process_group()
 
 
