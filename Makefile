@@ -60,9 +60,10 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	$(if $(filter zero3_ulysses,$(1)),--parallelism_config_sp_size $(SP) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) ))) \
 	$(if $(filter fsdp_cp,$(1)),--parallelism_config_cp_size $(CP) \
-	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(CP) )))
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(CP) ))) \
+	$(if $(filter tp,$(1)),--parallelism_config_tp_size $$(( $(GPUS) * $(NODES) )))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
 	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
@@ -118,6 +119,9 @@ train-hsdp: tiny ## FSDP2 sharded within HSDP_REPLICAS groups (default: one per 
 
 train-fsdp-cp: tiny ## FSDP2 + context parallelism: each sequence split over CP processes, ring attention (long context)
 	$(call LAUNCH,fsdp_cp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-tp: tiny ## tensor parallelism alone: each weight matrix split over the GPUS processes of one node
+	$(call LAUNCH,tp) train.py --recipe $(RECIPE) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

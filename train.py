@@ -57,7 +57,7 @@ def main(argv=None):
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
-    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp, plan.cp)
+    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp, plan.cp, plan.tp)
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here
@@ -80,7 +80,7 @@ def main(argv=None):
     # 5. Model, objective (collator + loss), optimizer, schedule, loaders -> prepared for the strategy.
     guards.at("loading the model")
     model = loading.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
-                               local_device=accelerator.local_process_index if has_gpu() else None)
+                               local_device=accelerator.local_process_index if has_gpu() else None, tp=plan.tp)
     gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
     objective = objective_for(recipe)
     loss = objective.loss(model)
@@ -93,7 +93,7 @@ def main(argv=None):
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
     model, optimizer, scheduler = feed.prepare(accelerator, collator, model, optimizer, scheduler)
     guards.hold_until_exit(accelerator, model, optimizer)  # freed at os._exit, not before: guards says why
-    eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
+    eval_loaders = {name: plan.eval_loader(accelerator, loader) for name, loader in eval_loaders.items()}
     loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator)  # NEFTune, if the recipe asks
     set_seed(cfg.seed + accelerator.process_index)  # dropout differs per rank, like the data does
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
@@ -106,7 +106,7 @@ def main(argv=None):
     state = loop.TrainState()
     if resume_from is not None:
         guards.at("loading the checkpoint")
-        accelerator.load_state(str(resume_from))
+        checkpoint.load_state(accelerator, resume_from)
         state.load_state_dict(saved_state)
         feed.restore(lambda: checkpoint.load_rank_state(resume_from, accelerator.process_index))
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{feed.total_steps}")
@@ -126,8 +126,8 @@ def main(argv=None):
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, sampler=sampler,
-                       distributed=recipe.distributed, token_loss=loss, data_rank_size=plan.group, scorer=scorer,
-                       micro_batch_context=plan.micro_batch_context(accelerator))
+                       distributed=recipe.distributed, token_loss=loss, data_rank_size=plan.group, share=plan.share,
+                       scorer=scorer, micro_batch_context=plan.micro_batch_context(accelerator))
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

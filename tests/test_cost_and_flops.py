@@ -241,3 +241,22 @@ def test_preference_reference_memory_and_flops(tmp_path):
     precomputed = Workload(**{**full.__dict__, "reference": "precomputed"})
     added = model_states_gb(full, "fsdp", 8)[0] - model_states_gb(precomputed, "fsdp", 8)[0]
     assert added == pytest.approx(2 * full.params / 8 / 1e9)  # bf16 copy, an eighth per GPU
+
+
+def test_the_tp_row_shards_states_over_every_gpu_and_splits_what_attention_and_the_mlp_keep(capsys):
+    """--tp T (= --gpus): weights, gradients and Adam states / T, as FSDP2 over the same GPUs; of the 34 bytes per
+    token and hidden unit a layer keeps, the 24 of attention and the MLP / T, the 10 of norms and residual whole."""
+    from disttrain.metrics.flops import ModelShape
+    from disttrain.tools.cost import activations_gb
+
+    shape = ModelShape(params=8e9, matmul_params=8e9, layers=32, heads=32, head_dim=128, hidden=4096, vocab=128256)
+    w = Workload(8e9, shape, 1e9, 8192, 1, False, loss_impl="chunked")
+    layers = 32 * 8192 * 4096
+    assert activations_gb(w) - activations_gb(w, tp=8) == pytest.approx(24 * (1 - 1 / 8) * layers / 1e9)
+    main(["--recipe", str(REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml"), "--tokens", "1e9", "--gpus", "8",
+          "--tp", "8", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["tp"]["states_gb"] == rows["fsdp"]["states_gb"] and rows["tp"]["mfu"] == ASSUMED_MFU["tp"]
+    assert rows["tp"]["activations_gb"] < rows["fsdp"]["activations_gb"] == rows["ddp"]["activations_gb"]
+    with pytest.raises(DisttrainError, match=r"--tp 4 must equal --gpus 8: tensor parallelism runs alone"):
+        main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--tp", "4"])

@@ -17,16 +17,23 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     `spec` (the recipe's model section) is how the base model is reloaded for `merge_lora`.
 
     Every rank takes part in gathering the weights (FSDP/ZeRO-3 shards are collected to the main process
-    only); only the main process writes, into a temporary dir renamed into place, so a crash never leaves
-    a half-written model where a user would load it.
+    only; tensor-parallel shards by transformers inside save_pretrained); only the main process writes, into
+    a temporary dir renamed into place, so a crash never leaves a half-written model where a user would load
+    it.
     """
     out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
     unwrapped = accelerator.unwrap_model(model)
+    gathers = bool(getattr(unwrapped, "_tp_size", None))  # tensor-parallel: save_pretrained gathers the shards
     if accelerator.is_main_process:
-        tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if gathers:
+        accelerator.wait_for_everyone()  # the leftover is gone before anything is written
+    if gathers or accelerator.is_main_process:  # every rank takes part in the gather, the main process writes
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
+                                  is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process:
         if merge_lora and is_peft_model(unwrapped):
             with without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)

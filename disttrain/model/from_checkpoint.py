@@ -4,6 +4,7 @@ checkpoint's weights are read in the layout its strategy wrote them:
 
     model.safetensors              DDP, one process: accelerate's save_state of the unwrapped model
     pytorch_model_fsdp_0/          FSDP2 (and HSDP): DCP shards, read with torch.distributed.checkpoint
+    tp_state/                      tensor parallelism: DCP shards of weights and optimizer, read the same way
     latest + pytorch_model/        DeepSpeed ZeRO-1/2/3 (and Ulysses): the fp32 master weights, gathered by
                                    DeepSpeed's own zero_to_fp32 (it unpickles the shards: your own files only)
 
@@ -93,13 +94,14 @@ def read_weights(checkpoint: Path, wanted: dict[str, torch.Tensor], aliases: dic
                  ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors for the names in `wanted` (shaped like them), whatever strategy wrote it."""
     aliases = aliases or {}
-    if (checkpoint / "pytorch_model_fsdp_0").is_dir():
-        import torch.distributed.checkpoint as dcp
+    for dcp_dir in ("pytorch_model_fsdp_0", "tp_state"):  # FSDP2's (accelerate's), tensor parallelism's
+        if (checkpoint / dcp_dir).is_dir():                 # (training/accelerator_state.py)
+            import torch.distributed.checkpoint as dcp
 
-        # accelerate saves {"model": state_dict}; DCP loads in place, resharding to these plain tensors
-        target = {name: torch.empty_like(t, device="cpu") for name, t in wanted.items()}
-        dcp.load({"model": target}, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"))
-        return target
+            # both hold {"model": state_dict}; DCP loads in place, resharding to these plain tensors
+            target = {name: torch.empty_like(t, device="cpu") for name, t in wanted.items()}
+            dcp.load({"model": target}, checkpoint_id=str(checkpoint / dcp_dir))
+            return target
     if (checkpoint / "latest").is_file():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -111,7 +113,7 @@ def read_weights(checkpoint: Path, wanted: dict[str, torch.Tensor], aliases: dic
 
         return _pick(load_file(checkpoint / "model.safetensors"), wanted, aliases)
     raise DisttrainError(f"{checkpoint}: no model weights in a layout this project writes (model.safetensors, "
-                         "pytorch_model_fsdp_0/, DeepSpeed's latest + tag dir)")
+                         "pytorch_model_fsdp_0/, tp_state/, DeepSpeed's latest + tag dir)")
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:

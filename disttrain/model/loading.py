@@ -59,15 +59,18 @@ def _router_kwargs(spec: ModelSection) -> dict:
     return {"output_router_logits": True, "router_aux_loss_coef": spec.router_aux_loss_coef}
 
 
-def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None):
-    """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any."""
+def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None,
+               tp: int = 1):
+    """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any; `tp`:
+    tensor-parallel ranks (every process), which transformers shards the weights over by the model's own plan."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
-        **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec))
+        **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec),
+        **_tensor_parallel_kwargs(spec, tp))
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
@@ -75,6 +78,20 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     if lora is not None:
         model = apply_lora(model, lora, spec.gradient_checkpointing)
     return model
+
+
+def _tensor_parallel_kwargs(spec: ModelSection, tp: int) -> dict:
+    """transformers splits the weights by the model's own plan as it loads them; its config is checked first."""
+    if tp == 1:
+        return {}
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    from disttrain.recipe.compat import check_tensor_parallel_model
+
+    check_tensor_parallel_model(AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                                           trust_remote_code=spec.trust_remote_code), tp)
+    return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto")}
 
 
 def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):

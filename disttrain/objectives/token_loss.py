@@ -136,6 +136,15 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, compute_dtype,
     return transform.apply(logits) if transform is not None else logits
 
 
+def _whole(param):
+    """The head's weight (or bias) whole: under tensor parallelism it is a DTensor sharded over the vocabulary,
+    gathered here for the chunks (differentiable: each rank's shard gets its slice of the full gradient, which
+    every rank computes alike from the same batch). Otherwise the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
 def _targets(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
     """Position t is trained to predict labels[:, t + 1]; the last position predicts nothing. `shifted`: the
     labels are already position t's targets (`shift_labels`, shifted before the sequence was split)."""
@@ -230,7 +239,8 @@ def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.
         token_weights = row_weights.float().repeat_interleave(labels.shape[1]).index_select(0, positions)
     with torch.autocast(hidden.device.type, enabled=False):  # the Function picks its matmul dtype itself
         return _ChunkedCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions),
-                                             head.weight, head.bias, targets.index_select(0, positions),
+                                             _whole(head.weight), _whole(head.bias),
+                                             targets.index_select(0, positions),
                                              compute_dtype, token_weights, _transform_of(head))
 
 
@@ -251,8 +261,9 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
     wanted = targets.index_select(0, positions)
     losses = torch.zeros(targets.shape[0], device=hidden.device, dtype=torch.float32)
     step, dtype, transform = _chunk_tokens(head.weight.shape[0]), _compute_dtype(hidden, head), _transform_of(head)
+    weight, bias = _whole(head.weight), _whole(head.bias)
     for start in range(0, hidden.shape[0], step):
-        logits = _logits(hidden[start:start + step], head.weight, head.bias, dtype, transform)
+        logits = _logits(hidden[start:start + step], weight, bias, dtype, transform)
         rows = torch.arange(logits.shape[0], device=logits.device)
         losses[positions[start:start + step]] = torch.logsumexp(logits, -1) - logits[rows, wanted[start:start + step]]
     return losses.view(labels.shape)

@@ -167,7 +167,42 @@ def check_sequence_model(config, sp: int, cp: int) -> None:
                              "sequence as one process does; remove the field, or train without sequence parallelism")
 
 
-def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1) -> None:
+def check_tensor_parallel(recipe: Recipe, tp: int) -> None:
+    """Tensor parallelism (accelerate_configs/tp.yaml) is verified here for full fine-tuning with the SFT
+    objective on map-style data, under the chunked and the plain loss; the rest is refused, not guessed."""
+    if tp == 1:
+        return
+    where = "accelerate_configs/tp.yaml (tp_size > 1)"
+    refused = [(recipe.lora is not None, "a lora section (peft on tensor-parallel layers is unverified here)"),
+               (recipe.training.objective != "sft", f"training.objective={recipe.training.objective}"),
+               (recipe.data.streaming, "data.streaming=true"),
+               (recipe.training.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head reads lm_head whole)"),
+               (recipe.training.compile, "training.compile=true")]
+    for found, what in refused:
+        if found:
+            raise DisttrainError(f"{what} is not supported under {where} yet; train it under ddp.yaml, fsdp.yaml or "
+                                 "a ZeRO config")
+
+
+def check_tensor_parallel_model(config, tp: int) -> None:
+    """What only the model's config says (read before the weights are loaded and split): transformers' plan for
+    it, and attention and key/value heads that divide over the tp processes (each keeps whole heads)."""
+    if tp == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    where = "accelerate_configs/tp.yaml"
+    if not getattr(text, "base_model_tp_plan", None):
+        raise DisttrainError(f"{type(text).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
+                             f"it cannot train under {where}: use fsdp.yaml or a ZeRO config")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
+        raise DisttrainError(f"{type(text).__name__} has {heads} attention and {kv_heads} key/value heads: tensor "
+                             f"parallelism over {tp} processes needs both divisible by {tp} (each keeps whole heads); "
+                             f"launch {where} with --num_processes / --parallelism_config_tp_size dividing {kv_heads}")
+
+
+def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1, tp: int = 1) -> None:
     """Everything that would stop this recipe under this launch, checked before the process group exists (one
     line each); and the launch-environment warnings (restarts, the preemption shutdown timeout)."""
     from disttrain.model import hub
@@ -175,6 +210,7 @@ def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, c
 
     check(recipe, strategy, gpu)
     check_sequence_parallel(recipe, sp, cp)
+    check_tensor_parallel(recipe, tp)
     check_trackers(recipe.logging.report_to)
     hub.check_token(recipe.output.push_to_hub)  # before training, not after it
     check_zero3_export(recipe, strategy)

@@ -137,5 +137,5 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
     from disttrain.runtime.backends import fsdp_layout
 
     layout = fsdp_layout(model)
-    if layout:  # FSDP2: which mesh the parameters live on (HSDP: replicated x sharded)
-        accelerator.print(f"run: FSDP2 parameters on the mesh {layout}")
+    if layout:  # FSDP2 or TP: which mesh the parameters live on (HSDP: replicated x sharded)
+        accelerator.print(f"run: {'tensor-parallel' if plan.tp > 1 else 'FSDP2'} parameters on the mesh {layout}")

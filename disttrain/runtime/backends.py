@@ -61,13 +61,15 @@ def mesh_sizes() -> dict[str, int] | None:
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
+    ddp, tp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
         return "hsdp"
     if strategy == "fsdp" and mesh and mesh["cp"] > 1:
         return "fsdp_cp"
+    if strategy == "ddp" and mesh and mesh["tp"] > 1:
+        return "tp"
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
         ulysses = "_ulysses" if mesh and mesh["sp"] > 1 else ""
@@ -175,6 +177,11 @@ def build_accelerator(recipe: Recipe):
         with fsdp_branch_on_cpu(pg_kwargs.timeout):
             accelerator = Accelerator(**kwargs)
         unpin_offload(accelerator)
+    elif strategy == "ddp" and not gpu and (mesh_sizes() or {}).get("tp", 1) > 1:
+        from disttrain.runtime.fsdp_cpu import tensor_parallel_on_cpu
+
+        with tensor_parallel_on_cpu(pg_kwargs.timeout):
+            accelerator = Accelerator(**kwargs)
     else:
         accelerator = Accelerator(**kwargs)
     if strategy == "fsdp" and recipe.distributed.fsdp_reduce_in_fp32:
@@ -225,6 +232,25 @@ def shard_loader(accelerator, loader, data_rank: int, data_ranks: int):
         even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
         data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
         use_stateful_dataloader=accelerator.use_stateful_dataloader)
+
+
+class ReplicatedLoader:
+    """Every batch of `loader`, whole, on this process's device, and not registered with accelerate: for eval
+    sets under tensor parallelism, whose processes all run the same batches. Gathered for metrics, each batch
+    then counts tp times on both sides of the ratios an evaluation reports (losses, accuracies), which leaves
+    them exact; accelerate's end-of-loader truncation assumes a split loader and would not."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        from accelerate.utils import send_to_device
+
+        for batch in self.loader:
+            yield send_to_device(batch, self.device)
 
 
 def shards_weights(accelerator) -> bool:

@@ -1,4 +1,5 @@
-"""FSDP2 on CPU processes (gloo), so the FSDP code path runs in CI and in `make preflight` without GPUs.
+"""FSDP2 and tensor parallelism on CPU processes (gloo), so their code paths run in CI and in `make preflight`
+without GPUs.
 
 Why an adapter: accelerate turns `distributed_type: FSDP` into its FSDP branch only when the launched
 processes are of a GPU-type distributed type (MULTI_GPU, MULTI_XPU, ...). CPU processes are MULTI_CPU, so
@@ -9,6 +10,9 @@ What it does: it creates accelerate's process state on CPU first (gloo, CPU devi
 state as MULTI_GPU for the one check in AcceleratorState that selects the FSDP branch; accelerate then
 records FSDP on the shared state, exactly as on GPUs. Devices and the backend stay CPU/gloo throughout.
 It is only used when no accelerator is present and the launcher asked for FSDP (see backends.py).
+Tensor parallelism: accelerate accepts a ParallelismConfig only on GPU-type (or FSDP2, DeepSpeed) processes,
+in one check while the Accelerator is built; the mesh, DTensors and their collectives work on CPU over gloo.
+The same presentation as MULTI_GPU for that check, then the state is MULTI_CPU again.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ def fsdp_branch_on_cpu(timeout: timedelta):
     if state.distributed_type != DistributedType.FSDP:
         raise RuntimeError("FSDP-on-CPU adapter: accelerate did not take its FSDP branch "
                            f"(state is {state.distributed_type}); this accelerate version needs a new adapter")
+
+
+@contextmanager
+def tensor_parallel_on_cpu(timeout: timedelta):
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True, timeout=timeout)
+    state.distributed_type = DistributedType.MULTI_GPU
+    try:
+        yield  # Accelerator(...) is built here and checks its ParallelismConfig against this type
+    finally:
+        for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # it copied the type
+            if "distributed_type" in shared:
+                shared["distributed_type"] = DistributedType.MULTI_CPU
 
 
 def unpin_offload(accelerator) -> None:

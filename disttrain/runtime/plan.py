@@ -11,8 +11,11 @@ of the run asks the plan, never the environment: the strategy and its label for 
 the checkpoint's strategy and mesh, which data rank this process is and how many there are (the feed shards
 by them), which slice of each sequence it keeps. Token counts and losses are reduced over every process: each
 counts only its own slice, and every strategy here averages gradients over all processes (ZeRO-3 under
-Ulysses reduces over dp x sp, FSDP2 under CP over dp_shard x cp). Tensor parallel meshes are refused until
-they plug in here.
+Ulysses reduces over dp x sp, FSDP2 under CP over dp_shard x cp). Tensor parallelism alone (`tp` = every
+process, accelerate_configs/tp.yaml) makes all processes one group around the same batch: each holds 1/tp of
+every split weight and counts 1/tp of the batch in the metrics (`share`), and its gradients need no averaging
+(the loss's denominator, summed over tp identical counts and divided by the processes, is the batch's own).
+TP combined with another dimension is refused (accelerate 1.16's FSDP2 + TP path is broken on transformers 5).
 """
 
 from __future__ import annotations
@@ -33,16 +36,24 @@ class ParallelPlan:
     mesh: str | None = None  # "dp_replicate=R,dp_shard=S" (HSDP), "dp_shard=D,sp=S" (Ulysses), "dp_shard=D,cp=C"
     sp: int = 1  # processes that share each sequence, each keeping 1/sp of it (Ulysses)
     cp: int = 1  # processes that share each sequence around the attention ring (context parallelism)
+    tp: int = 1  # processes that share each batch whole, each holding 1/tp of the weights (tensor parallelism)
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
-        mesh, sp, cp = _mesh(launcher_strategy(), world_size())
-        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp)
+        mesh, sp, cp, tp = _mesh(launcher_strategy(), world_size())
+        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp, tp)
 
     @property
     def group(self) -> int:
-        """Consecutive processes that read the same rows (a sequence-parallel or context-parallel group)."""
-        return self.sp * self.cp
+        """Consecutive processes that read the same rows (a sequence-, context- or tensor-parallel group)."""
+        return self.sp * self.cp * self.tp
+
+    @property
+    def share(self) -> float:
+        """The part of each batch this process accounts for in token counts, losses and FLOPs: sp/cp processes
+        count only their own slice (1); tensor-parallel ones all see the whole batch and each does 1/tp of its
+        work, so each counts 1/tp of it (summed over the group: the batch once)."""
+        return 1.0 / self.tp
 
     @property
     def checkpoint_strategy(self) -> str:
@@ -65,6 +76,15 @@ class ParallelPlan:
         """Context parallelism: (which part, of how many) of every sequence accelerate's context keeps here."""
         return (accelerator.process_index % self.cp, self.cp) if self.cp > 1 else None
 
+    def eval_loader(self, accelerator, loader):
+        """An eval set's loader: split by process, or under tensor parallelism whole on every process (the
+        processes of the tensor-parallel group run the same batches together)."""
+        if self.tp == 1:
+            return accelerator.prepare(loader)
+        from disttrain.runtime.backends import ReplicatedLoader
+
+        return ReplicatedLoader(loader, accelerator.device)
+
     def micro_batch_context(self, accelerator):
         """What the loop enters around each micro-batch's forward and backward: under context parallelism,
         accelerate's context, which cuts the batch's sequences in place (the ring attention needs backward
@@ -80,20 +100,26 @@ class ParallelPlan:
         return context
 
 
-def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
+def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int]:
     """The launch's mesh, checked, with its sequence- and context-parallel sizes: HSDP (replicas x shards) or
     context parallelism (groups x cp) under FSDP2, Ulysses (groups x sp) under DeepSpeed; it must cover every
-    process. Tensor parallel ranks share a batch in ways the feed and the loss do not handle yet: such a mesh
-    would train on a wrong normalisation, so it is refused."""
+    process; or tensor parallelism alone (tp = every process)."""
     sizes = mesh_sizes()
     if sizes is None:
-        return None, 1, 1
+        return None, 1, 1, 1
     if sizes["tp"] > 1:
-        raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is not supported yet (accelerate 1.15-1.16's "
-                             "FSDP2 + TP path imports transformers' ReplicateParallel, which transformers 5 removed, "
-                             "and the chunked loss needs a vocabulary-parallel head): disttrain's meshes are "
-                             "dp_replicate x dp_shard (accelerate_configs/hsdp.yaml), context parallelism under "
-                             "FSDP2 (fsdp_cp.yaml) and Ulysses sp under ZeRO (zero3_ulysses.yaml); set it to 1")
+        others = {dim: n for dim, n in sizes.items() if dim != "tp" and n > 1}
+        if strategy != "ddp" or others:
+            raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is supported alone only (every process "
+                                 "one tensor-parallel rank, accelerate_configs/tp.yaml), not with "
+                                 f"{'FSDP or DeepSpeed' if strategy != 'ddp' else others} (accelerate 1.16's FSDP2 + "
+                                 "TP path imports transformers' ReplicateParallel, which transformers 5 removed); "
+                                 "use tp.yaml, or set tp_size to 1")
+        if sizes["tp"] != processes:
+            raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} must equal the {processes} processes "
+                                 "launched (tensor parallelism alone); set --parallelism_config_tp_size to the "
+                                 "processes (make train-tp does)")
+        return f"tp={sizes['tp']}", 1, 1, sizes["tp"]
     if sizes["cp"] > 1:
         if strategy != "fsdp" or sizes["dp_replicate"] > 1 or sizes["sp"] > 1:
             raise DisttrainError(f"parallelism_config: cp_size={sizes['cp']} needs FSDP2 without dp_replicate or "
@@ -103,7 +129,7 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
             raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x cp_size={sizes['cp']} "
                                  f"must equal the {processes} processes launched; set --parallelism_config_dp_"
                                  "shard_size to processes / cp_size (make train-fsdp-cp CP=... does)")
-        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"]
+        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"], 1
     if sizes["sp"] > 1:
         if strategy != "deepspeed" or sizes["dp_replicate"] > 1:
             raise DisttrainError(f"parallelism_config: sp_size={sizes['sp']} needs DeepSpeed without "
@@ -112,10 +138,10 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int]:
             raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x sp_size={sizes['sp']} "
                                  f"must equal the {processes} processes launched; set --parallelism_config_dp_"
                                  "shard_size to processes / sp_size (make train-zero3-ulysses SP=... does)")
-        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1
+        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1, 1
     if sizes["dp_replicate"] * sizes["dp_shard"] != processes:
         raise DisttrainError(f"parallelism_config: dp_replicate_size={sizes['dp_replicate']} x dp_shard_size="
                              f"{sizes['dp_shard']} must equal the {processes} processes launched; set "
                              "--parallelism_config_dp_replicate_size to the nodes and --parallelism_config_"
                              "dp_shard_size to the GPUs per node (make train-hsdp does)")
-    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1
+    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1, 1

@@ -31,16 +31,19 @@ from disttrain.metrics.flops import (ModelShape, attention_flops_per_token, forw
 from disttrain.metrics.hardware import ACCELERATORS, Accelerator, lookup
 
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_offload"]
-# The meshes, planned when asked for (--hsdp-replicas, --sp, --cp): which one-dimensional strategy shards
+# The meshes, planned when asked for (--hsdp-replicas, --sp, --cp, --tp): which one-dimensional strategy shards
 # their states, and over how many GPUs (hsdp: one replica's; Ulysses: ZeRO-3 over all of them, dp x sp;
-# context parallelism: FSDP2 over all of them, dp_shard x cp)
-MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp"}
+# context parallelism: FSDP2 over all of them, dp_shard x cp; tensor parallelism alone: every weight matrix
+# split over all of them, as FSDP2 would shard it)
+MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fsdp"}
 # Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
 # moves weights over PCIe every step; HSDP's gathers stay inside a node, as FSDP2's on one node; Ulysses adds
 # four all-to-alls per layer and pass; the ring exchanges every layer's keys and values, overlapped only in
-# part). Replace with --mfu or --bench for real planning.
+# part; TP all-reduces activations twice per layer and pass, on the critical path). Replace with --mfu or
+# --bench for real planning.
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
-               "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28}
+               "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28,
+               "tp": 0.30}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -111,14 +114,16 @@ def _sharded_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float
     return 2 * base / (w.shape.layers if w.shape else 32) / 1e9, (base + adapters) / 1e9
 
 
-def activations_gb(w: Workload, sp: int = 1) -> float | None:
+def activations_gb(w: Workload, sp: int = 1, tp: int = 1) -> float | None:
     """Per GPU. Ulysses (sp processes per sequence) keeps 1/sp of every sequence's positions outside attention
     and all positions of 1/sp of the heads inside it; the ring (cp, passed as `sp`) 1/cp of the positions
-    everywhere: every term but the chunked loss's fixed chunk falls by sp."""
+    everywhere: every term but the chunked loss's fixed chunk falls by sp. Tensor parallelism (tp) splits what
+    attention and the MLP keep (24 of the 34 bytes per token and hidden unit) and replicates the rest (the
+    norms' and residual's 10: Korthikanti et al. 2022, without sequence parallelism)."""
     if w.shape is None:
         return None
     tokens = w.seq_len * w.micro_batch // sp
-    per_layer_full = 34 * tokens * w.shape.hidden
+    per_layer_full = (10 + 24 / tp) * tokens * w.shape.hidden
     if w.gradient_checkpointing:
         layers = 2 * tokens * w.shape.hidden * w.shape.layers + per_layer_full
     else:
@@ -158,32 +163,38 @@ def reference_flops_per_token(w: Workload) -> float:
     return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
 
-def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1) -> list[tuple[str, str, int, int]]:
-    """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size) per row."""
-    rows = [(s, s, n_gpus, 1) for s in STRATEGIES]
+def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 1
+               ) -> list[tuple[str, str, int, int, int]]:
+    """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size, tensor-parallel
+    size) per row."""
+    rows = [(s, s, n_gpus, 1, 1) for s in STRATEGIES]
     if hsdp_replicas > 1:
         if n_gpus % hsdp_replicas:
             raise DisttrainError(f"--hsdp-replicas {hsdp_replicas} must divide --gpus {n_gpus}")
-        rows.append(("hsdp", MESHES["hsdp"], n_gpus // hsdp_replicas, 1))
+        rows.append(("hsdp", MESHES["hsdp"], n_gpus // hsdp_replicas, 1, 1))
     if sp > 1:
         if n_gpus % sp:
             raise DisttrainError(f"--sp {sp} must divide --gpus {n_gpus}")
-        rows.append(("zero3_ulysses", MESHES["zero3_ulysses"], n_gpus, sp))
+        rows.append(("zero3_ulysses", MESHES["zero3_ulysses"], n_gpus, sp, 1))
     if cp > 1:
         if n_gpus % cp:
             raise DisttrainError(f"--cp {cp} must divide --gpus {n_gpus}")
-        rows.append(("fsdp_cp", MESHES["fsdp_cp"], n_gpus, cp))
+        rows.append(("fsdp_cp", MESHES["fsdp_cp"], n_gpus, cp, 1))
+    if tp > 1:
+        if tp != n_gpus:
+            raise DisttrainError(f"--tp {tp} must equal --gpus {n_gpus}: tensor parallelism runs alone (tp.yaml)")
+        rows.append(("tp", MESHES["tp"], n_gpus, 1, tp))
     return rows
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
          mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1,
-         cp: int = 1) -> dict:
+         cp: int = 1, tp: int = 1) -> dict:
     total_flops = flops_per_token(w) * w.tokens
     rows = []
-    for strategy, sharding, shards, seq_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp):
+    for strategy, sharding, shards, seq_shards, tensor_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp, tp):
         states, host = model_states_gb(w, sharding, shards)
-        act = activations_gb(w, seq_shards)
+        act = activations_gb(w, seq_shards, tensor_shards)
         need = states + (act or 0.0) + RESERVE_GB
         fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
         seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
@@ -370,6 +381,9 @@ def main(argv=None) -> None:
                     help="add a zero3_ulysses row: each sequence split over SP GPUs (activations / SP)")
     hw.add_argument("--cp", type=int, default=1,
                     help="add an fsdp_cp row: each sequence split over CP GPUs around the ring (activations / CP)")
+    hw.add_argument("--tp", type=int, default=1,
+                    help="add a tp row: tensor parallelism alone over TP = GPUS GPUs (weights and part of the "
+                         "activations / TP)")
     parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
                         help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
@@ -388,7 +402,7 @@ def main(argv=None) -> None:
     workload, title = _workload_from_args(args)
     mfu, source = _mfu(args)
     result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb, args.hsdp_replicas,
-                  args.sp, args.cp)
+                  args.sp, args.cp, args.tp)
     if args.json:
         print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
     else:

@@ -46,9 +46,10 @@ def find_config_dir(name_or_path: str) -> Path:
                          f"model_configs/{name_or_path.replace('/', '__')}/config.json")
 
 
-def shrink_config(config_dir: Path, tokenizer):
+def shrink_config(config_dir: Path, tokenizer, min_kv_heads: int = 1):
     """Same architecture and options (GQA ratio, tied embeddings, rope scaling, experts and routing), tiny
-    dimensions."""
+    dimensions. `min_kv_heads`: tensor parallelism splits the key/value heads over its processes, so the GQA
+    ratio is lowered until each process has one."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(config_dir)
@@ -56,7 +57,7 @@ def shrink_config(config_dir: Path, tokenizer):
     ratio = max(1, config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads))
     for key, value in TINY_DIMS.items():
         setattr(config, key, value)
-    config.num_key_value_heads = max(1, heads // min(ratio, heads))
+    config.num_key_value_heads = max(min_kv_heads, heads // min(ratio, heads))
     if getattr(config, "head_dim", None):
         config.head_dim = config.hidden_size // heads
     if getattr(config, "layer_types", None):
@@ -77,7 +78,7 @@ def shrink_config(config_dir: Path, tokenizer):
     return config
 
 
-def build_shrunk_model(recipe: Recipe, out_dir: Path) -> tuple[Path, str]:
+def build_shrunk_model(recipe: Recipe, out_dir: Path, min_kv_heads: int = 1) -> tuple[Path, str]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +86,7 @@ def build_shrunk_model(recipe: Recipe, out_dir: Path) -> tuple[Path, str]:
 
     config_dir = find_config_dir(recipe.model.name_or_path)
     tokenizer = build_tokenizer()
-    config = shrink_config(config_dir, tokenizer)
+    config = shrink_config(config_dir, tokenizer, min_kv_heads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -208,7 +209,7 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
     shutil.rmtree(work_dir, ignore_errors=True)
     work_dir.mkdir(parents=True)
     try:
-        model_dir, description = build_shrunk_model(recipe, work_dir / "model")
+        model_dir, description = build_shrunk_model(recipe, work_dir / "model", nproc if strategy == "tp" else 1)
         report.add("shrink", True, f"{recipe.model.name_or_path} -> tiny {description}")
     except Exception as exc:  # unknown architecture, broken config: say so, do not crash
         report.add("shrink", False, f"{type(exc).__name__}: {exc}")

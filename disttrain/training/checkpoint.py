@@ -1,7 +1,8 @@
 """Checkpoints that survive crashes, and exact resume.
 
 Layout under `<output.dir>/checkpoints/`:
-    step-00000120/          accelerate.save_state(): model + optimizer (sharded for FSDP/ZeRO), scheduler,
+    step-00000120/          accelerate.save_state(): model + optimizer (sharded for FSDP/ZeRO; DCP shards in
+                            tp_state/ under tensor parallelism: accelerator_state.py), scheduler,
                             per-rank RNG, plus trainer_state.json and manifest.json (written last)
     latest                  name of the newest complete checkpoint
     .tmp-step-00000130/     a save in progress (or killed mid-way): never picked for resume
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from disttrain.errors import DisttrainError
+from disttrain.training import accelerator_state
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -93,6 +95,9 @@ def load_rank_state(checkpoint: Path, rank: int) -> dict:
     return json.loads(path.read_text())
 
 
+load_state = accelerator_state.load_state  # what train.py resumes with: accelerate's, or DCP under TP
+
+
 def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int,
          rank_state: dict | None = None) -> Path:
     """Collective: every rank must call it at the same step. `rank_state`: this rank's own data position
@@ -105,7 +110,7 @@ def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp))
+        accelerator_state.save_state(accelerator, tmp)
         if rank_state is not None:
             path = _rank_state_file(tmp, accelerator.process_index)
             path.parent.mkdir(exist_ok=True)

@@ -125,9 +125,11 @@ class _Window:
     HOST_FIELDS = ("padded_tokens", "data_wait_s", "peak_mem_gb")
     FIELDS = DEVICE_FIELDS + HOST_FIELDS
 
-    def __init__(self, device, meter=None, peak_flops: float | None = None, data_rank_size: int = 1):
+    def __init__(self, device, meter=None, peak_flops: float | None = None, data_rank_size: int = 1,
+                 share: float = 1.0):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
         self.data_rank_size = data_rank_size  # consecutive processes that read the same rows (Ulysses: sp)
+        self.share = share  # the part of each batch this process accounts for (ParallelPlan.share)
         self.reset()
 
     def reset(self):
@@ -152,8 +154,8 @@ class _Window:
         flops = self.meter.batch_flops(batch) if self.meter else zero
         recompute = self.meter.recompute_flops(batch) if self.meter else zero
         values = [loss_sum, units, batch[LENGTHS_KEY].sum(), flops, recompute]  # DEVICE_FIELDS
-        self.sums += torch.stack([v.to(self.device, torch.float64) for v in values])
-        self.padded_tokens += batch["input_ids"].numel()  # known on the host
+        self.sums += torch.stack([v.to(self.device, torch.float64) for v in values]) * self.share
+        self.padded_tokens += batch["input_ids"].numel() * self.share  # known on the host
 
     def summarize(self, accelerator, unit_name: str = "target_tokens") -> dict:
         from disttrain.metrics.throughput import peak_memory_gb
@@ -201,8 +203,8 @@ class _Window:
 def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
           total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
           flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, scorer=None,
-          micro_batch_context=None) -> TrainState:
+          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, share: float = 1.0,
+          scorer=None, micro_batch_context=None) -> TrainState:
     """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
 
     `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
@@ -211,7 +213,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
     interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
     transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
-    `data_rank_size`: consecutive processes sharing rows (ParallelPlan.sp), compared as one in the spread.
+    `data_rank_size`: consecutive processes sharing rows (ParallelPlan.group), compared as one in the spread;
+    `share`: the part of each batch a process counts in the metrics (ParallelPlan.share: 1/tp).
     `scorer` (due(step) / scorer(checkpoint) -> record) scores the checkpoints it is due for with lm-eval.
     `micro_batch_context(batch)` is entered around each micro-batch's forward and backward
     (ParallelPlan.micro_batch_context: context parallelism cuts the batch's sequences there).
@@ -219,7 +222,7 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
     token_loss = token_loss or TokenLoss(model, "plain")
     micro_batch_context = micro_batch_context or (lambda batch: contextlib.nullcontext())
     ga = accelerator.gradient_accumulation_steps
-    window = _Window(accelerator.device, flops_meter, peak_flops, data_rank_size)
+    window = _Window(accelerator.device, flops_meter, peak_flops, data_rank_size, share)
     replicas_every = distributed.check_replicas_every if distributed is not None else None
     warn_loss_spread = guards.LossSpreadWarning(distributed.loss_spread_warning if distributed is not None else None)
     model.train()

@@ -24,6 +24,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
                               SKIP on a machine with fewer GPUs (the one lent GPU: prepared, not run)
     ulysses_sp2               the same on 2 GPUs under accelerate_configs/zero3_ulysses.yaml (each sequence split
                               over both: DeepSpeed's all-to-all attention on NCCL, sdpa); SKIP below 2 GPUs
+    tensor_parallel_tp2       the same on 2 GPUs under accelerate_configs/tp.yaml (every weight matrix split over
+                              both, activations all-reduced over NCCL; DCP checkpoint); SKIP below 2 GPUs
     lora_{ddp,fsdp}           LoRA trains, every logged loss finite, the adapter is exported
     qlora_{ddp,fsdp}          the same with model.quantization=4bit; qlora_fsdp sets DISTTRAIN_ALLOW_UNVERIFIED=1
                               (this run is what verifies it); SKIP when bitsandbytes does not import
@@ -134,6 +136,7 @@ ITEMS = [
     Item("hsdp_2x2", partial(full_finetune, config="hsdp", nproc=4), 35, 150, False),  # SKIP below 4 GPUs
     Item("ulysses_sp2", partial(full_finetune, config="zero3_ulysses", nproc=2), 35, 150, False),  # SKIP below 2
     Item("context_parallel_cp2", partial(full_finetune, config="fsdp_cp", nproc=2), 35, 150, False),  # SKIP below 2
+    Item("tensor_parallel_tp2", partial(full_finetune, config="tp", nproc=2), 35, 150, False),  # SKIP below 2
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),

@@ -1,0 +1,69 @@
+"""accelerator.save_state / load_state, with tensor-parallel weights and optimizer states written through DCP.
+
+Why: under tensor parallelism alone accelerate leaves the model unwrapped and saves it like a DDP model: one
+safetensors file from the main process, which cannot hold DTensors ("Attempted to access the data pointer on an
+invalid python storage"), and one optimizer file, also from the main process only, while every rank holds other
+shards. So every rank writes its shards of both with torch.distributed.checkpoint (`tp_state/` in the
+checkpoint), and accelerate saves the rest (schedule, RNG, data position) with the model and optimizer out of its
+lists for that call. Other strategies: accelerate's own save_state and load_state, unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+TP_STATE = "tp_state"
+
+
+def _tensor_parallel(accelerator):
+    """(model, torch optimizer) when this launch is tensor-parallel, else None."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return None
+    (model,), (optimizer,) = accelerator._models, accelerator._optimizers
+    return model, getattr(optimizer, "optimizer", optimizer)
+
+
+@contextmanager
+def _without_model_and_optimizer(accelerator):
+    """accelerate saves and loads what it prepared (its private lists); the model and optimizer are left out of
+    them for one call."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def save_state(accelerator, directory: Path) -> None:
+    """Collective: every rank writes its shards."""
+    parts = _tensor_parallel(accelerator)
+    if parts is None:
+        accelerator.save_state(str(directory))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(*parts)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / TP_STATE))
+    with _without_model_and_optimizer(accelerator):
+        accelerator.save_state(str(directory))
+
+
+def load_state(accelerator, directory: Path) -> None:
+    """Collective: every rank reads its shards (the same mesh as the save: checkpoint.check_shape)."""
+    parts = _tensor_parallel(accelerator)
+    if parts is None:
+        accelerator.load_state(str(directory))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(*parts)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(directory / TP_STATE))
+    set_state_dict(*parts, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    with _without_model_and_optimizer(accelerator):
+        accelerator.load_state(str(directory))

@@ -1,0 +1,135 @@
+"""Tensor parallelism alone (accelerate_configs/tp.yaml, `make train-tp`): every process one tensor-parallel
+rank, the weights sharded by transformers' own plan for the model (attention and MLP projections, embeddings,
+lm_head over the vocabulary), every process running the same batch. On 2 CPU processes (accelerate's
+ParallelismConfig check skipped for CPU processes: runtime/fsdp_cpu.py): both read the matrix recipe's 4 rows per
+step (the one-process reference's batch) and the run trains the model one process trains (tests/strategy_runs.py,
+the same tolerances as every strategy), its metrics count each batch once, its eval loss is the one process's,
+its checkpoint (DCP shards of weights and optimizer states: training/accelerator_state.py) resumes exactly on
+its mesh, and its export is a plain HF model dir. In-process: the plan and the refusals."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_ok, launch
+from disttrain.errors import DisttrainError
+from disttrain.metrics.log import read_metrics
+from disttrain.recipe.compat import check_tensor_parallel, check_tensor_parallel_model
+from disttrain.recipe.schema import load_recipe
+from disttrain.runtime.launcher import free_port
+from disttrain.runtime.plan import ParallelPlan
+from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
+from strategy_runs import strategy_run
+
+
+def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp"):
+    """`make train-tp GPUS=2` (config "single_gpu": one process) on the matrix recipe with the one-process batch
+    (2 rows x accumulation 2), evaluated at the end on the same rows."""
+    def make(folder):
+        rows = str(small_data(runs))
+        data = {"path": rows, "format": "alpaca", "eval_path": rows, "max_seq_len": 48}
+        recipe = matrix_recipe(folder, tiny_model_dir, data, "run", processes=1,
+                               training={"loss_impl": loss_impl, "eval_every": 5}, logging={"samples": 1})
+        if config == "single_gpu":
+            proc = launch(config, recipe, nproc=1)
+        else:
+            proc = subprocess.run(["make", "-s", "train-tp", "GPUS=2", f"MASTER_PORT={free_port()}",
+                                   f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert_ok(proc)
+        return folder / "run", proc.stdout
+    return runs.get(f"tensor-parallel-{config}-{loss_impl}", make)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("loss_impl", ["chunked", "plain"])
+def test_tensor_parallelism_trains_like_one_process(loss_impl, runs, tiny_model_dir):
+    out, stdout = tp_run(runs, tiny_model_dir, loss_impl)
+    assert "mesh=tp=2" in stdout and "processes=2" in stdout
+    assert "global_batch=4 rows (2 x 2 accum x 1 groups of 2 procs)" in stdout
+    assert "tensor-parallel parameters on the mesh (tp=2)" in stdout
+    ref, ref_stdout = tp_run(runs, tiny_model_dir, loss_impl, "single_gpu")
+    assert_trains_like_one_process(out, ref, lora=False)
+    ours, single = ([r for r in read_metrics(run) if "loss" in r] for run in (out, ref))
+    # each batch counted once (both ranks see all of it), not once per rank
+    assert [(r["target_tokens"], r["tokens"]) for r in ours] == [(r["target_tokens"], r["tokens"]) for r in single]
+    evals = [[r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r] for run in (out, ref)]
+    assert evals[0] and evals[0] == pytest.approx(evals[1], rel=1e-5)  # every eval row once per rank, not split
+    sample = [line for line in stdout.splitlines() if line.startswith("sample: ")]  # both ranks generate it
+    assert sample and sample == [line for line in ref_stdout.splitlines() if line.startswith("sample: ")]
+
+
+@pytest.mark.launch
+def test_tensor_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tmp_path):
+    out, _ = tp_run(runs, tiny_model_dir)
+    assert (out / "checkpoints" / "step-00000005" / "tp_state" / ".metadata").is_file()  # DCP shards
+    assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "tp", tmp_path)
+    # `make export` reads the last checkpoint back, in one process, as the model the run exported
+    last = out / "checkpoints" / "step-00000010"
+    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last), str(tmp_path / "exported")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_ok(proc)
+    exported, final = (load_file(d / "model.safetensors") for d in (tmp_path / "exported", out / "final"))
+    assert set(exported) == set(final)
+    for key, value in final.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.launch
+def test_the_llama_full_fine_tune_preflights_under_tensor_parallelism(tmp_path):
+    """Llama-3.1-8B's recipe (8 key/value heads: TP up to 8) shrunk, 2 processes under tp.yaml: trains with its
+    gradient checkpointing, checkpoints, resumes in a new launch and exports."""
+    from disttrain.tools.preflight import run
+
+    report = run(str(REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml"), "tp", nproc=None, steps=4,
+                 work_dir=tmp_path / "pf", overrides=["logging.samples=0", "output.report=false"])
+    assert [(stage, status) for stage, status, _ in report.rows] == [
+        (stage, "PASS") for stage in ("recipe", "compatibility", "shrink", "save", "resume", "export")], report.rows
+
+
+def test_a_model_whose_heads_do_not_divide_over_the_processes_is_refused_in_one_line():
+    from transformers import LlamaConfig
+
+    check_tensor_parallel_model(LlamaConfig(num_attention_heads=8, num_key_value_heads=8), 4)
+    with pytest.raises(DisttrainError, match=r"^LlamaConfig has 8 attention and 2 key/value heads: tensor parallelism "
+                                             r"over 4 processes needs both divisible by 4"):
+        check_tensor_parallel_model(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), 4)
+    planless = LlamaConfig()
+    planless.base_model_tp_plan = None
+    with pytest.raises(DisttrainError, match=r"^LlamaConfig has no tensor-parallel plan in transformers"):
+        check_tensor_parallel_model(planless, 2)
+
+
+def _plan(monkeypatch, processes: int, **sizes) -> ParallelPlan:
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for dim, size in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", str(size))
+    return ParallelPlan.from_launch()
+
+
+def test_the_plan_groups_every_process_around_one_batch_and_refuses_other_meshes(monkeypatch):
+    plan = _plan(monkeypatch, 4, tp=4)
+    assert (plan.label, plan.mesh, plan.tp, plan.group, plan.share) == ("tp", "tp=4", 4, 4, 0.25)
+    with pytest.raises(DisttrainError, match=r"tp_size=2 must equal the 4 processes launched"):
+        _plan(monkeypatch, 4, tp=2)
+    with pytest.raises(DisttrainError, match=r"tp_size=2 is supported alone only .* not with \{'dp_shard': 2\}"):
+        _plan(monkeypatch, 4, tp=2, dp_shard=2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(DisttrainError, match=r"not with FSDP or DeepSpeed"):
+        _plan(monkeypatch, 2, tp=2, dp_shard=1)
+
+
+@pytest.mark.parametrize("recipe_file, override, named", [
+    ("sft", "lora.r=8", "a lora section"), ("dpo", "training.max_steps=2", "training.objective=dpo"),
+    ("sft", "data.streaming=true training.max_steps=4", "data.streaming=true"), ("sft", "training.loss_impl=trl", "training.loss_impl=trl"),
+    ("sft", "training.compile=true", "training.compile=true")])
+def test_what_tensor_parallelism_does_not_verify_is_refused_in_one_line(recipe_file, override, named):
+    recipe = load_recipe(str(REPO / f"recipes/tiny/{recipe_file}.yaml"), override.split())
+    with pytest.raises(DisttrainError, match=rf"^{named}.* is not supported under accelerate_configs/tp.yaml"):
+        check_tensor_parallel(recipe, 2)
+    check_tensor_parallel(recipe, 1)  # without tensor parallelism: nothing to refuse here
