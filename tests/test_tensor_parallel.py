@@ -80,15 +80,30 @@ def test_tensor_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tm
 
 
 @pytest.mark.launch
-def test_the_llama_full_fine_tune_preflights_under_tensor_parallelism(tmp_path):
-    """Llama-3.1-8B's recipe (8 key/value heads: TP up to 8) shrunk, 2 processes under tp.yaml: trains with its
-    gradient checkpointing, checkpoints, resumes in a new launch and exports."""
+@pytest.mark.parametrize("recipe", ["llama-3.1-8b/full_sft_fsdp.yaml", "qwen3-30b-a3b/full_sft.yaml",
+                                    "qwen2.5-0.5b/full_sft.yaml"])
+def test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_like_one_process(recipe, tmp_path):
+    """Three families shrunk (Llama-3.1 with gradient checkpointing; Qwen3-MoE with its experts and router loss;
+    Qwen2.5 with qkv biases and tied embeddings), 2 processes under tp.yaml: the preflight trains, checkpoints,
+    resumes in a new launch at step 2 and exports; one process on the same recipe (its copy in the run dir:
+    the shrunk model, the same rows and batch: TP ranks share the batch) logs the same losses and ends with the
+    same weights."""
     from disttrain.tools.preflight import run
 
-    report = run(str(REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml"), "tp", nproc=None, steps=4,
-                 work_dir=tmp_path / "pf", overrides=["logging.samples=0", "output.report=false"])
+    work = tmp_path / "pf"
+    report = run(str(REPO / "recipes" / recipe), "tp", nproc=None, steps=4, work_dir=work,
+                 overrides=["logging.samples=0", "output.report=false"])
     assert [(stage, status) for stage, status, _ in report.rows] == [
         (stage, "PASS") for stage in ("recipe", "compatibility", "shrink", "save", "resume", "export")], report.rows
+    single = launch("single_gpu", work / "run" / "recipe.yaml", nproc=1,
+                    overrides=[f"output.dir={tmp_path / 'single'}", "output.resume=none", "training.stop_at_step=null"])
+    assert_ok(single)
+    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (work / "run", tmp_path / "single")]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
+    ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (work / "run", tmp_path / "single"))
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
 
 
 def test_a_model_whose_heads_do_not_divide_over_the_processes_is_refused_in_one_line():

@@ -29,6 +29,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     if gathers:
+        state_dict = _without_aliases(unwrapped, state_dict)
         accelerator.wait_for_everyone()  # the leftover is gone before anything is written
     if gathers or accelerator.is_main_process:  # every rank takes part in the gather, the main process writes
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
@@ -44,6 +45,16 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         os.replace(tmp, out)
     accelerator.wait_for_everyone()
     return out
+
+
+def _without_aliases(model, state_dict: dict) -> dict:
+    """Tied parameters (one Parameter under two names: the embeddings and lm_head) once, under the first name, as
+    transformers writes them: it finds ties by shared storage, which its tensor-parallel gather's copies lose
+    (both names would be written)."""
+    first: dict[int, str] = {}
+    aliases = {name for name, param in model.named_parameters(remove_duplicate=False)
+               if first.setdefault(id(param), name) != name}
+    return {name: value for name, value in state_dict.items() if name not in aliases}
 
 
 @contextmanager
