@@ -14,6 +14,8 @@ epoch at step 9.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.metrics.log import read_metrics
+from disttrain.runtime.launcher import free_port
 
 STEPS, CHECKPOINT_EVERY = 10, 5
 # merged on export too: every strategy's adapter merges into the base (test_launch_ddp reads the DDP one)
@@ -85,6 +88,16 @@ def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
         assert_ok(proc)
         return Run(folder / "run", proc.stdout)
     return runs.get(f"{strategy}-{'lora' if lora else 'full'}", make)
+
+
+def make_train(target: str, recipe: Path, *variables: str, env: dict | None = None) -> str:
+    """`make -s <target> VARIABLE=... RECIPE=<recipe>` as a user types it, on a free rendezvous port: its stdout,
+    the run checked to have succeeded."""
+    proc = subprocess.run(["make", "-s", target, *variables, f"MASTER_PORT={free_port()}", f"RECIPE={recipe}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert_ok(proc)
+    return proc.stdout
 
 
 def losses(out: Path) -> dict:

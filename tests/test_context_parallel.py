@@ -9,20 +9,17 @@ In-process: the collated batch (labels shifted on the whole sequence -- the cont
 loses the target at every chunk boundary), the positions each process keeps == torch's own head-tail
 balancer's, the plan and the refusals."""
 
-import os
-import subprocess
-
 import pytest
 
-from conftest import REPO, assert_ok
+from conftest import REPO
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, TARGETS_KEY, Collator
 from disttrain.data.collation import ContextShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
-from disttrain.runtime.launcher import cpu_ring_env, free_port
+from disttrain.runtime.launcher import cpu_ring_env
 from disttrain.runtime.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
-from strategy_runs import strategy_run
+from strategy_runs import make_train, strategy_run
 
 MESH = "dp_shard=1,cp=2"
 RING_ON_CPU = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"}
@@ -35,11 +32,7 @@ def cp_run(runs, tiny_model_dir, lora: bool):
         # the full run also generates its end-of-run sample (outside the context, every rank in step)
         recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", processes=1, lora=lora,
                                logging={"samples": 0 if lora else 1})
-        proc = subprocess.run(["make", "-s", "train-fsdp-cp", "GPUS=2", "CP=2", f"MASTER_PORT={free_port()}",
-                               f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, **RING_ON_CPU})
-        assert_ok(proc)
-        return folder / "run", proc.stdout
+        return folder / "run", make_train("train-fsdp-cp", recipe, "GPUS=2", "CP=2", env=RING_ON_CPU)
     return runs.get(f"context-parallel-{'lora' if lora else 'full'}", make)
 
 

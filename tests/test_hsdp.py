@@ -6,19 +6,15 @@ shards: the matrix recipe with 4 rows per step (4 processes x 1 row) trains the 
 line, and the meshes disttrain does not handle yet (tensor, context parallel) are refused before
 anything starts."""
 
-import os
-import subprocess
-
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, launch
+from conftest import assert_ok, launch
 from disttrain.errors import DisttrainError
-from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
-from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, losses, matrix_recipe,
-                           small_data, strategy_run)
+from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, losses, make_train,
+                           matrix_recipe, small_data, strategy_run)
 
 MESH = "dp_replicate=2,dp_shard=2"
 
@@ -28,11 +24,7 @@ def hsdp_run(runs, tiny_model_dir):
     """`make train-hsdp GPUS=4 HSDP_REPLICAS=2` on the matrix recipe, 1 row per process and step."""
     def make(folder):
         recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", training={"grad_accum": 1})
-        proc = subprocess.run(["make", "-s", "train-hsdp", "GPUS=4", "HSDP_REPLICAS=2", f"MASTER_PORT={free_port()}",
-                               f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert_ok(proc)
-        return folder / "run", proc.stdout
+        return folder / "run", make_train("train-hsdp", recipe, "GPUS=4", "HSDP_REPLICAS=2")
     return runs.get("hsdp-full", make)
 
 

@@ -7,7 +7,6 @@ the same tolerances as every strategy), its metrics count each batch once, its e
 its checkpoint (DCP shards of weights and optimizer states: training/accelerator_state.py) resumes exactly on
 its mesh, and its export is a plain HF model dir. In-process: the plan and the refusals."""
 
-import os
 import subprocess
 import sys
 
@@ -20,10 +19,9 @@ from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.recipe.compat import check_tensor_parallel, check_tensor_parallel_model
 from disttrain.recipe.schema import load_recipe
-from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
-from strategy_runs import strategy_run
+from strategy_runs import make_train
 
 
 def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp"):
@@ -36,12 +34,9 @@ def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp")
                                training={"loss_impl": loss_impl, "eval_every": 5}, logging={"samples": 1})
         if config == "single_gpu":
             proc = launch(config, recipe, nproc=1)
-        else:
-            proc = subprocess.run(["make", "-s", "train-tp", "GPUS=2", f"MASTER_PORT={free_port()}",
-                                   f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert_ok(proc)
-        return folder / "run", proc.stdout
+            assert_ok(proc)
+            return folder / "run", proc.stdout
+        return folder / "run", make_train("train-tp", recipe, "GPUS=2")
     return runs.get(f"tensor-parallel-{config}-{loss_impl}", make)
 
 

@@ -7,21 +7,17 @@ checkpoint records the mesh and resumes on it exactly. In-process: the slices (l
 sequence, so no target is lost at a slice boundary: the control shifts inside each slice and loses exactly
 those), the plan and the refusals (the mesh's own: tests/test_hsdp.py)."""
 
-import os
-import subprocess
-
 import pytest
 import torch
 
-from conftest import REPO, assert_ok
+from conftest import REPO
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_KEY, Collator
 from disttrain.data.collation import SequenceShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
-from disttrain.runtime.launcher import free_port
 from disttrain.runtime.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
-from strategy_runs import strategy_run
+from strategy_runs import make_train, strategy_run
 
 MESH = "dp_shard=1,sp=2"
 
@@ -31,11 +27,7 @@ def ulysses_run(runs, tiny_model_dir, lora: bool):
     accumulation 2): the group of two processes reads what one process reads."""
     def make(folder):
         recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", processes=1, lora=lora)
-        proc = subprocess.run(["make", "-s", "train-zero3-ulysses", "GPUS=2", "SP=2", f"MASTER_PORT={free_port()}",
-                               f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert_ok(proc)
-        return folder / "run", proc.stdout
+        return folder / "run", make_train("train-zero3-ulysses", recipe, "GPUS=2", "SP=2")
     return runs.get(f"ulysses-{'lora' if lora else 'full'}", make)
 
 
