@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_ok, launch
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.recipe.compat import check_tensor_parallel, check_tensor_parallel_model
@@ -99,6 +99,51 @@ def test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_li
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
         torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+
+
+FAMILIES = {  # what each adds to the path: logit scaling (Granite divides, Cohere multiplies), final-logit
+    # softcapping with sliding-window layers (Gemma 2), fused qkv and gate_up projections (Phi-3), MoE experts
+    # with the router loss (Mixtral)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 16.0}, "sdpa"),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.25}, "sdpa"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 0.5, "head_dim": 8}, "eager"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, "sdpa"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "output_router_logits": True, "router_aux_loss_coef": 1.0},
+                "sdpa"),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_with_logit_transforms_fused_projections_or_experts_train_like_one_process(family, tmp_path,
+                                                                                           tiny_model_dir):
+    """A tiny model of each family (lm_head scaled up so that scaling and capping change the loss), 3 steps with
+    the chunked loss and an evaluation: under tp.yaml on 2 processes the losses are one process's."""
+    import transformers
+
+    config_name, model_name, extra, attention = FAMILIES[family]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).float()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    logged = {}
+    for config_file, nproc in (("tp", 2), ("single_gpu", 1)):
+        recipe = write_recipe(tmp_path / f"{config_file}.yaml", base_recipe(
+            tmp_path / "model", tmp_path / config_file, model={"attn_implementation": attention},
+            data={"eval_fraction": 0.05},
+            training={"max_steps": 3, "micro_batch_size": 4, "eval_every": 3},
+            output={"save_final_model": False, "checkpoint_at_end": False}, logging={"samples": 0}))
+        assert_ok(launch(config_file, recipe, nproc=nproc))
+        logged[config_file] = [(r.get("loss"), r.get("eval_loss")) for r in read_metrics(tmp_path / config_file)]
+    assert any(e is not None for _, e in logged["tp"]) and logged["tp"] == [
+        tuple(pytest.approx(v, rel=1e-5) if v is not None else None for v in row) for row in logged["single_gpu"]]
 
 
 def test_a_model_whose_heads_do_not_divide_over_the_processes_is_refused_in_one_line():
