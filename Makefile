@@ -15,12 +15,14 @@ RECIPE      ?= recipes/tiny/sft.yaml
 STRATEGY    ?= ddp
 GPUS        ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 NODES       ?= 1
-# train-hsdp: replica groups (default one per node); the processes of each group shard the model
+# train-hsdp, train-fsdp-tp: replica groups (default one per node); the processes of each group shard the model
 HSDP_REPLICAS ?= $(NODES)
 # train-zero3-ulysses: processes per sequence (Ulysses sequence parallelism; at most the GPUs of a node)
 SP          ?= 2
 # train-fsdp-cp: processes per sequence around the attention ring (context parallelism)
 CP          ?= 2
+# train-fsdp-tp: processes per tensor-parallel group (within a node); FSDP2 shards over GPUS x NODES / TP groups
+TP          ?= 2
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
@@ -61,9 +63,11 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) ))) \
 	$(if $(filter fsdp_cp,$(1)),--parallelism_config_cp_size $(CP) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(CP) ))) \
-	$(if $(filter tp,$(1)),--parallelism_config_tp_size $$(( $(GPUS) * $(NODES) )))
+	$(if $(filter tp,$(1)),--parallelism_config_tp_size $$(( $(GPUS) * $(NODES) ))) \
+	$(if $(filter fsdp_tp,$(1)),--parallelism_config_tp_size $(TP) --parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
 	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
@@ -78,6 +82,7 @@ help: ## list targets and variables
 	@echo "           HSDP_REPLICAS=$(HSDP_REPLICAS) (train-hsdp: replica groups, default one per node; each sharded over GPUS x NODES / HSDP_REPLICAS processes)"
 	@echo "           SP=$(SP) (train-zero3-ulysses: processes per sequence; GPUS x NODES / SP groups read different rows)"
 	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
+	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
@@ -122,6 +127,9 @@ train-fsdp-cp: tiny ## FSDP2 + context parallelism: each sequence split over CP 
 
 train-tp: tiny ## tensor parallelism alone: each weight matrix split over the GPUS processes of one node
 	$(call LAUNCH,tp) train.py --recipe $(RECIPE) $(ARGS)
+
+train-fsdp-tp: tiny ## FSDP2 + tensor parallelism: weights split over TP processes, FSDP2 over the groups (HSDP across nodes)
+	$(call LAUNCH,fsdp_tp) train.py --recipe $(RECIPE) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

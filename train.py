@@ -80,7 +80,8 @@ def main(argv=None):
     # 5. Model, objective (collator + loss), optimizer, schedule, loaders -> prepared for the strategy.
     guards.at("loading the model")
     model = loading.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
-                               local_device=accelerator.local_process_index if has_gpu() else None, tp=plan.tp)
+                               local_device=accelerator.local_process_index if has_gpu() else None, tp=plan.tp,
+                               tp_data=plan.tp_data, bf16=cfg.mixed_precision == "bf16")
     gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
     objective = objective_for(recipe)
     loss = objective.loss(model)
@@ -127,7 +128,7 @@ def main(argv=None):
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
                        checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, sampler=sampler,
                        distributed=recipe.distributed, token_loss=loss, data_rank_size=plan.group, share=plan.share,
-                       scorer=scorer, micro_batch_context=plan.micro_batch_context(accelerator))
+                       scorer=scorer, micro_batch_context=plan.micro_batch_context(accelerator, model))
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

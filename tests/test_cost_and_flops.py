@@ -258,5 +258,20 @@ def test_the_tp_row_shards_states_over_every_gpu_and_splits_what_attention_and_t
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["tp"]["states_gb"] == rows["fsdp"]["states_gb"] and rows["tp"]["mfu"] == ASSUMED_MFU["tp"]
     assert rows["tp"]["activations_gb"] < rows["fsdp"]["activations_gb"] == rows["ddp"]["activations_gb"]
-    with pytest.raises(DisttrainError, match=r"--tp 4 must equal --gpus 8: tensor parallelism runs alone"):
-        main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--tp", "4"])
+    with pytest.raises(DisttrainError, match=r"--tp 3 must divide --gpus 8"):
+        main(["--params", "7e9", "--tokens", "1e9", "--gpus", "8", "--tp", "3"])
+
+
+def test_fsdp_tp_rows_shard_states_over_every_gpu_or_one_replica_and_split_activations_over_tp(capsys):
+    """--tp T < --gpus: FSDP2 + TP (fsdp_tp.yaml): each GPU holds 1/GPUs of every weight (1/tp split, then sharded
+    over the GPUs / T groups), activations as the tp row's at T; with --hsdp-replicas R the states are sharded
+    within a replica (hsdp_tp)."""
+    recipe = str(REPO / "recipes/llama-3.1-8b/full_sft_fsdp.yaml")
+    main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "16", "--tp", "4", "--hsdp-replicas", "2", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert "tp" not in rows and rows["fsdp_tp"]["states_gb"] == rows["fsdp"]["states_gb"]
+    assert rows["hsdp_tp"]["states_gb"] == rows["hsdp"]["states_gb"] == pytest.approx(2 * rows["fsdp"]["states_gb"])
+    main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "4", "--tp", "4", "--json"])
+    tp_alone = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["tp"]
+    assert rows["fsdp_tp"]["activations_gb"] == rows["hsdp_tp"]["activations_gb"] == tp_alone["activations_gb"]
+    assert rows["fsdp_tp"]["activations_gb"] < rows["fsdp"]["activations_gb"]

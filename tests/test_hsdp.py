@@ -62,10 +62,11 @@ def test_hsdp_resumes_exactly_on_its_mesh_and_refuses_another(hsdp_run, runs, ti
 @pytest.mark.parametrize("env, expected", [
     ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"},
      "dp_replicate_size=2 x dp_shard_size=4 must equal the 4 processes launched"),
-    # tensor parallelism (tests/test_tensor_parallel.py): alone only, not under FSDP2
+    # tensor parallelism (tests/test_tensor_parallel.py, test_fsdp_tp.py): in MULTI_GPU configs (transformers lays
+    # FSDP2 over its groups), not under accelerate's FSDP
     ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"},
-     "tp_size=2 is supported alone only (every process one tensor-parallel rank, accelerate_configs/tp.yaml), "
-     "not with FSDP or DeepSpeed"),
+     "tp_size=2 runs alone (accelerate_configs/tp.yaml) or under FSDP2 laid out by transformers "
+     "(accelerate_configs/fsdp_tp.yaml, distributed_type MULTI_GPU), not with an FSDP or DeepSpeed config"),
     # context parallelism (tests/test_context_parallel.py): FSDP2's, one dimension of groups, covering the processes
     ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "2"},
      "dp_shard_size=1 x cp_size=2 must equal the 4 processes launched"),

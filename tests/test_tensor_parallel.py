@@ -118,15 +118,19 @@ FAMILIES = {  # what each adds to the path: logit scaling (Granite divides, Cohe
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_families_with_logit_transforms_fused_projections_or_experts_train_like_one_process(family, tmp_path,
                                                                                            tiny_model_dir):
-    """A tiny model of each family (lm_head scaled up so that scaling and capping change the loss), 3 steps with
-    the chunked loss and an evaluation: under tp.yaml on 2 processes the losses are one process's."""
+    """A tiny model of each family (embeddings untied, lm_head scaled up so that scaling and capping change the
+    loss), 3 steps of 4 rows with the chunked loss and an evaluation: under tp.yaml on 2 processes, and under
+    fsdp_tp.yaml on 4 (2 groups of 2 reading 2 rows each, FSDP2 by the family's own plan over them), the losses
+    are one process's. The router loss depends on how the batch is split (transformers computes it per forward),
+    so Mixtral's fsdp_tp run is compared with DDP's 2 processes of 2 rows each, whose split it shares."""
     import transformers
 
     config_name, model_name, extra, attention = FAMILIES[family]
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, **extra)
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).float()
     with torch.no_grad():
@@ -134,16 +138,20 @@ def test_families_with_logit_transforms_fused_projections_or_experts_train_like_
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     logged = {}
-    for config_file, nproc in (("tp", 2), ("single_gpu", 1)):
+    launches = [("tp", 2, 4), ("fsdp_tp", 4, 2), ("single_gpu", 1, 4)] + [("ddp", 2, 2)] * (family == "mixtral")
+    for config_file, nproc, micro_batch in launches:
         recipe = write_recipe(tmp_path / f"{config_file}.yaml", base_recipe(
             tmp_path / "model", tmp_path / config_file, model={"attn_implementation": attention},
             data={"eval_fraction": 0.05},
-            training={"max_steps": 3, "micro_batch_size": 4, "eval_every": 3},
+            training={"max_steps": 3, "micro_batch_size": micro_batch, "eval_every": 3},
             output={"save_final_model": False, "checkpoint_at_end": False}, logging={"samples": 0}))
         assert_ok(launch(config_file, recipe, nproc=nproc))
         logged[config_file] = [(r.get("loss"), r.get("eval_loss")) for r in read_metrics(tmp_path / config_file)]
-    assert any(e is not None for _, e in logged["tp"]) and logged["tp"] == [
-        tuple(pytest.approx(v, rel=1e-5) if v is not None else None for v in row) for row in logged["single_gpu"]]
+    single = [tuple(pytest.approx(v, rel=1e-5) if v is not None else None for v in row) for row in logged["single_gpu"]]
+    assert any(e is not None for _, e in logged["tp"]) and logged["tp"] == single
+    split_alike = single if family != "mixtral" else [tuple(pytest.approx(v, rel=1e-5) if v is not None else None
+                                                            for v in row) for row in logged["ddp"]]
+    assert logged["fsdp_tp"] == split_alike
 
 
 def test_a_model_whose_heads_do_not_divide_over_the_processes_is_refused_in_one_line():
@@ -159,6 +167,20 @@ def test_a_model_whose_heads_do_not_divide_over_the_processes_is_refused_in_one_
         check_tensor_parallel_model(planless, 2)
 
 
+def test_tied_embeddings_under_fsdp2_with_tensor_parallelism_are_refused_in_one_line():
+    """transformers 5 wraps tied embeddings and lm_head in two FSDP2 groups (measured: tiny Cohere and Gemma 2,
+    tied, left one process's losses at step 2 under fsdp_tp.yaml); alone, tensor parallelism trains them."""
+    from transformers import Qwen2Config
+
+    tied = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    check_tensor_parallel_model(tied, 2)
+    check_tensor_parallel_model(Qwen2Config(num_attention_heads=4, num_key_value_heads=2,
+                                            tie_word_embeddings=False), 2, data_parallel=2)
+    with pytest.raises(DisttrainError, match=r"^Qwen2Config ties its input and output embeddings .* under FSDP2 \+ "
+                                             r"TP \(fsdp_tp.yaml\) .*; use tp.yaml"):
+        check_tensor_parallel_model(tied, 2, data_parallel=2)
+
+
 def _plan(monkeypatch, processes: int, **sizes) -> ParallelPlan:
     monkeypatch.setenv("WORLD_SIZE", str(processes))
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
@@ -172,19 +194,21 @@ def test_the_plan_groups_every_process_around_one_batch_and_refuses_other_meshes
     assert (plan.label, plan.mesh, plan.tp, plan.group, plan.share) == ("tp", "tp=4", 4, 4, 0.25)
     with pytest.raises(DisttrainError, match=r"tp_size=2 must equal the 4 processes launched"):
         _plan(monkeypatch, 4, tp=2)
-    with pytest.raises(DisttrainError, match=r"tp_size=2 is supported alone only .* not with \{'dp_shard': 2\}"):
-        _plan(monkeypatch, 4, tp=2, dp_shard=2)
+    with pytest.raises(DisttrainError, match=r"tp_size=2 runs alone .* not with \{'cp': 2\}"):
+        _plan(monkeypatch, 4, tp=2, cp=2)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(DisttrainError, match=r"not with FSDP or DeepSpeed"):
+    with pytest.raises(DisttrainError, match=r"not with an FSDP or DeepSpeed config"):
         _plan(monkeypatch, 2, tp=2, dp_shard=1)
 
 
 @pytest.mark.parametrize("recipe_file, override, named", [
     ("sft", "lora.r=8", "a lora section"), ("dpo", "training.max_steps=2", "training.objective=dpo"),
     ("sft", "data.streaming=true training.max_steps=4", "data.streaming=true"), ("sft", "training.loss_impl=trl", "training.loss_impl=trl"),
-    ("sft", "training.compile=true", "training.compile=true")])
+    ("sft", "training.compile=true", "training.compile=true"),
+    ("sft", "training.mixed_precision=fp16", "training.mixed_precision=fp16")])
 def test_what_tensor_parallelism_does_not_verify_is_refused_in_one_line(recipe_file, override, named):
     recipe = load_recipe(str(REPO / f"recipes/tiny/{recipe_file}.yaml"), override.split())
-    with pytest.raises(DisttrainError, match=rf"^{named}.* is not supported under accelerate_configs/tp.yaml"):
+    with pytest.raises(DisttrainError, match=rf"^{named}.* is not supported under tensor parallelism "
+                                             r"\(accelerate_configs/tp.yaml or fsdp_tp.yaml"):
         check_tensor_parallel(recipe, 2)
     check_tensor_parallel(recipe, 1)  # without tensor parallelism: nothing to refuse here

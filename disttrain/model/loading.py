@@ -60,9 +60,10 @@ def _router_kwargs(spec: ModelSection) -> dict:
 
 
 def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None,
-               tp: int = 1):
+               tp: int = 1, tp_data: tuple[int, int] = (1, 1), bf16: bool = False):
     """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any; `tp`:
-    tensor-parallel ranks (every process), which transformers shards the weights over by the model's own plan."""
+    tensor-parallel ranks, which transformers splits the weights over by the model's own plan, and `tp_data`
+    the (replicas, shards) of the FSDP2 it lays over them (`bf16`: its all-gathers in bf16, reductions in fp32)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -70,7 +71,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
         **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec),
-        **_tensor_parallel_kwargs(spec, tp))
+        **_tensor_parallel_kwargs(spec, tp, tp_data, bf16))
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
@@ -80,8 +81,10 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     return model
 
 
-def _tensor_parallel_kwargs(spec: ModelSection, tp: int) -> dict:
-    """transformers splits the weights by the model's own plan as it loads them; its config is checked first."""
+def _tensor_parallel_kwargs(spec: ModelSection, tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
+    """transformers splits the weights by the model's own plan as it loads them, and shards them over the data
+    ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm with lm_head); the
+    model's config is checked first."""
     if tp == 1:
         return {}
     from transformers import AutoConfig
@@ -90,8 +93,12 @@ def _tensor_parallel_kwargs(spec: ModelSection, tp: int) -> dict:
     from disttrain.recipe.compat import check_tensor_parallel_model
 
     check_tensor_parallel_model(AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                                           trust_remote_code=spec.trust_remote_code), tp)
-    return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto")}
+                                                           trust_remote_code=spec.trust_remote_code),
+                                tp, tp_data[0] * tp_data[1])
+    replicas, shards = tp_data
+    return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto", fsdp_size=shards,
+                                                    dp_replicate_size=replicas,
+                                                    fsdp_mixed_precision=bf16 and replicas * shards > 1)}
 
 
 def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):

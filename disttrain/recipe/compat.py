@@ -167,13 +167,19 @@ def check_sequence_model(config, sp: int, cp: int) -> None:
                              "sequence as one process does; remove the field, or train without sequence parallelism")
 
 
+TENSOR_PARALLEL_CONFIGS = "accelerate_configs/tp.yaml or fsdp_tp.yaml"
+
+
 def check_tensor_parallel(recipe: Recipe, tp: int) -> None:
-    """Tensor parallelism (accelerate_configs/tp.yaml) is verified here for full fine-tuning with the SFT
-    objective on map-style data, under the chunked and the plain loss; the rest is refused, not guessed."""
+    """Tensor parallelism (alone or under FSDP2) is verified here for full fine-tuning with the SFT objective on
+    map-style data, under the chunked and the plain loss; the rest is refused, not guessed."""
     if tp == 1:
         return
-    where = "accelerate_configs/tp.yaml (tp_size > 1)"
+    where = f"tensor parallelism ({TENSOR_PARALLEL_CONFIGS}, tp_size > 1)"
     refused = [(recipe.lora is not None, "a lora section (peft on tensor-parallel layers is unverified here)"),
+               (recipe.training.mixed_precision == "fp16",
+                "training.mixed_precision=fp16 (its loss scaler's overflow check must agree across the processes' "
+                "shards, unverified here; use bf16)"),
                (recipe.training.objective != "sft", f"training.objective={recipe.training.objective}"),
                (recipe.data.streaming, "data.streaming=true"),
                (recipe.training.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head reads lm_head whole)"),
@@ -184,13 +190,14 @@ def check_tensor_parallel(recipe: Recipe, tp: int) -> None:
                                  "a ZeRO config")
 
 
-def check_tensor_parallel_model(config, tp: int) -> None:
+def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None:
     """What only the model's config says (read before the weights are loaded and split): transformers' plan for
-    it, and attention and key/value heads that divide over the tp processes (each keeps whole heads)."""
+    it, attention and key/value heads that divide over the tp processes (each keeps whole heads), and, under
+    FSDP2 + TP (`data_parallel` > 1 groups), separate input and output embeddings."""
     if tp == 1:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    where = "accelerate_configs/tp.yaml"
+    where = TENSOR_PARALLEL_CONFIGS
     if not getattr(text, "base_model_tp_plan", None):
         raise DisttrainError(f"{type(text).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
                              f"it cannot train under {where}: use fsdp.yaml or a ZeRO config")
@@ -200,6 +207,14 @@ def check_tensor_parallel_model(config, tp: int) -> None:
         raise DisttrainError(f"{type(text).__name__} has {heads} attention and {kv_heads} key/value heads: tensor "
                              f"parallelism over {tp} processes needs both divisible by {tp} (each keeps whole heads); "
                              f"launch {where} with --num_processes / --parallelism_config_tp_size dividing {kv_heads}")
+    if data_parallel > 1 and getattr(text, "tie_word_embeddings", False):
+        # transformers 5 wraps the tied embeddings and lm_head in two FSDP2 groups (embed_tokens with the final
+        # norm, lm_head with the root), so lm_head would compute with a copy the optimizer never updates (measured:
+        # the losses leave one process's from step 2)
+        raise DisttrainError(f"{type(text).__name__} ties its input and output embeddings (tie_word_embeddings): "
+                             "under FSDP2 + TP (fsdp_tp.yaml) transformers shards the two in separate FSDP2 groups "
+                             "and lm_head would train a stale copy; use tp.yaml (tensor parallelism alone) or "
+                             "fsdp.yaml")
 
 
 def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1, tp: int = 1) -> None:

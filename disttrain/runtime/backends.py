@@ -61,15 +61,16 @@ def mesh_sizes() -> dict[str, int] | None:
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, tp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
+    ddp, tp, fsdp_tp, hsdp_tp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
         return "hsdp"
     if strategy == "fsdp" and mesh and mesh["cp"] > 1:
         return "fsdp_cp"
-    if strategy == "ddp" and mesh and mesh["tp"] > 1:
-        return "tp"
+    if strategy == "ddp" and mesh and mesh["tp"] > 1:  # alone, or under FSDP2 (replicas x shards around it)
+        return {(False, False): "tp", (False, True): "fsdp_tp"}.get(
+            (mesh["dp_replicate"] > 1, mesh["dp_shard"] > 1), "hsdp_tp")
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
         ulysses = "_ulysses" if mesh and mesh["sp"] > 1 else ""

@@ -15,12 +15,15 @@ Ulysses reduces over dp x sp, FSDP2 under CP over dp_shard x cp). Tensor paralle
 process, accelerate_configs/tp.yaml) makes all processes one group around the same batch: each holds 1/tp of
 every split weight and counts 1/tp of the batch in the metrics (`share`), and its gradients need no averaging
 (the loss's denominator, summed over tp identical counts and divided by the processes, is the batch's own).
-TP combined with another dimension is refused (accelerate 1.16's FSDP2 + TP path is broken on transformers 5).
+FSDP2 + TP (accelerate_configs/fsdp_tp.yaml: tp x dp_shard, optionally x dp_replicate) keeps the tp groups and
+lays FSDP2 over them, as transformers does it at load time (`tp_data`): the data rank is process // tp, FSDP
+averages the gradients over the data ranks (the denominator, tp identical counts per group, divided by the
+processes, is the groups' mean: exact again). Context and sequence parallelism do not combine with TP.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from disttrain.errors import DisttrainError
@@ -37,11 +40,12 @@ class ParallelPlan:
     sp: int = 1  # processes that share each sequence, each keeping 1/sp of it (Ulysses)
     cp: int = 1  # processes that share each sequence around the attention ring (context parallelism)
     tp: int = 1  # processes that share each batch whole, each holding 1/tp of the weights (tensor parallelism)
+    tp_data: tuple[int, int] = (1, 1)  # around tensor parallelism: (replicas, shards) of FSDP2 over the tp groups
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
-        mesh, sp, cp, tp = _mesh(launcher_strategy(), world_size())
-        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp, tp)
+        mesh, sp, cp, tp, tp_data = _mesh(launcher_strategy(), world_size())
+        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp, tp, tp_data)
 
     @property
     def group(self) -> int:
@@ -85,41 +89,51 @@ class ParallelPlan:
 
         return ReplicatedLoader(loader, accelerator.device)
 
-    def micro_batch_context(self, accelerator):
-        """What the loop enters around each micro-batch's forward and backward: under context parallelism,
-        accelerate's context, which cuts the batch's sequences in place (the ring attention needs backward
-        inside it too: outside, the gradients are silently wrong); otherwise nothing."""
-        if self.cp == 1:
-            return lambda batch: nullcontext()
-        from disttrain.data.collation import CONTEXT_BUFFERS
+    def micro_batch_context(self, accelerator, model):
+        """What the loop enters around each micro-batch's forward and backward (inside accelerate's
+        `accumulate`, which has set `sync_gradients` by then): under context parallelism, accelerate's context,
+        which cuts the batch's sequences in place (the ring attention needs backward inside it too: outside,
+        the gradients are silently wrong); under FSDP2 + TP, the gradient reduction deferred to the window's
+        last micro-batch (accelerate defers DDP's and its own FSDP2's, not the FSDP2 transformers applied);
+        otherwise nothing."""
+        if self.cp > 1:
+            from disttrain.data.collation import CONTEXT_BUFFERS
 
-        def context(batch: dict):
-            buffers = [batch[key] for key in CONTEXT_BUFFERS if key in batch]
-            return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                                      no_restore_buffers=set(buffers))
-        return context
+            def context(batch: dict):
+                buffers = [batch[key] for key in CONTEXT_BUFFERS if key in batch]
+                return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                                          no_restore_buffers=set(buffers))
+            return context
+        if self.tp > 1 and self.tp_data != (1, 1):
+            return lambda batch: _reduce_on_last_micro_batch(accelerator, model, replicas=self.tp_data[0])
+        return lambda batch: nullcontext()
 
 
-def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int]:
-    """The launch's mesh, checked, with its sequence- and context-parallel sizes: HSDP (replicas x shards) or
-    context parallelism (groups x cp) under FSDP2, Ulysses (groups x sp) under DeepSpeed; it must cover every
-    process; or tensor parallelism alone (tp = every process)."""
+@contextmanager
+def _reduce_on_last_micro_batch(accelerator, model, replicas: int):
+    """FSDP2's `no_sync` for the micro-batches before the last of a window: with replicas (HSDP) only the
+    all-reduce across them waits, the reduce-scatter inside each keeps the gradients sharded."""
+    if not accelerator.sync_gradients:
+        if replicas > 1:
+            model.set_requires_all_reduce(False)
+        else:
+            model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int, tuple[int, int]]:
+    """The launch's mesh, checked, with its sequence-, context- and tensor-parallel sizes and the data-parallel
+    dimensions around tensor parallelism: HSDP (replicas x shards) or context parallelism (groups x cp) under
+    FSDP2, Ulysses (groups x sp) under DeepSpeed; tensor parallelism alone (tp = every process) or under FSDP2
+    laid by transformers (replicas x shards x tp); it must cover every process."""
     sizes = mesh_sizes()
     if sizes is None:
-        return None, 1, 1, 1
+        return None, 1, 1, 1, (1, 1)
     if sizes["tp"] > 1:
-        others = {dim: n for dim, n in sizes.items() if dim != "tp" and n > 1}
-        if strategy != "ddp" or others:
-            raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} is supported alone only (every process "
-                                 "one tensor-parallel rank, accelerate_configs/tp.yaml), not with "
-                                 f"{'FSDP or DeepSpeed' if strategy != 'ddp' else others} (accelerate 1.16's FSDP2 + "
-                                 "TP path imports transformers' ReplicateParallel, which transformers 5 removed); "
-                                 "use tp.yaml, or set tp_size to 1")
-        if sizes["tp"] != processes:
-            raise DisttrainError(f"parallelism_config: tp_size={sizes['tp']} must equal the {processes} processes "
-                                 "launched (tensor parallelism alone); set --parallelism_config_tp_size to the "
-                                 "processes (make train-tp does)")
-        return f"tp={sizes['tp']}", 1, 1, sizes["tp"]
+        return _tensor_parallel_mesh(strategy, processes, sizes)
     if sizes["cp"] > 1:
         if strategy != "fsdp" or sizes["dp_replicate"] > 1 or sizes["sp"] > 1:
             raise DisttrainError(f"parallelism_config: cp_size={sizes['cp']} needs FSDP2 without dp_replicate or "
@@ -129,7 +143,7 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int]:
             raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x cp_size={sizes['cp']} "
                                  f"must equal the {processes} processes launched; set --parallelism_config_dp_"
                                  "shard_size to processes / cp_size (make train-fsdp-cp CP=... does)")
-        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"], 1
+        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"], 1, (1, 1)
     if sizes["sp"] > 1:
         if strategy != "deepspeed" or sizes["dp_replicate"] > 1:
             raise DisttrainError(f"parallelism_config: sp_size={sizes['sp']} needs DeepSpeed without "
@@ -138,10 +152,30 @@ def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int]:
             raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x sp_size={sizes['sp']} "
                                  f"must equal the {processes} processes launched; set --parallelism_config_dp_"
                                  "shard_size to processes / sp_size (make train-zero3-ulysses SP=... does)")
-        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1, 1
+        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1, 1, (1, 1)
     if sizes["dp_replicate"] * sizes["dp_shard"] != processes:
         raise DisttrainError(f"parallelism_config: dp_replicate_size={sizes['dp_replicate']} x dp_shard_size="
                              f"{sizes['dp_shard']} must equal the {processes} processes launched; set "
                              "--parallelism_config_dp_replicate_size to the nodes and --parallelism_config_"
                              "dp_shard_size to the GPUs per node (make train-hsdp does)")
-    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1, 1
+    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1, 1, (1, 1)
+
+
+def _tensor_parallel_mesh(strategy: str, processes: int, sizes: dict[str, int]):
+    """tp alone (tp.yaml) or under FSDP2 (fsdp_tp.yaml): both are MULTI_GPU launches, because transformers, not
+    accelerate, splits and shards the model as it loads it (accelerate 1.16's own FSDP2 + TP path imports
+    transformers' ReplicateParallel, which transformers 5 removed)."""
+    tp, replicas, shards = sizes["tp"], sizes["dp_replicate"], sizes["dp_shard"]
+    others = {dim: sizes[dim] for dim in ("cp", "sp") if sizes[dim] > 1}
+    if strategy != "ddp" or others:
+        raise DisttrainError(f"parallelism_config: tp_size={tp} runs alone (accelerate_configs/tp.yaml) or under "
+                             "FSDP2 laid out by transformers (accelerate_configs/fsdp_tp.yaml, distributed_type "
+                             f"MULTI_GPU), not with {'an FSDP or DeepSpeed config' if strategy != 'ddp' else others}; "
+                             "use one of those two files, or set tp_size to 1")
+    if replicas * shards * tp != processes:
+        raise DisttrainError(f"parallelism_config: dp_replicate_size={replicas} x dp_shard_size={shards} x tp_size="
+                             f"{tp} must equal the {processes} processes launched; set --parallelism_config_tp_size "
+                             "to the processes (make train-tp) or --parallelism_config_dp_shard_size to processes / "
+                             "tp_size (make train-fsdp-tp TP=... does)")
+    dims = [f"dp_replicate={replicas}"] * (replicas > 1) + [f"dp_shard={shards}"] * (shards > 1) + [f"tp={tp}"]
+    return ",".join(dims), 1, 1, tp, (replicas, shards)

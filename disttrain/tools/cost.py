@@ -34,8 +34,10 @@ STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_o
 # The meshes, planned when asked for (--hsdp-replicas, --sp, --cp, --tp): which one-dimensional strategy shards
 # their states, and over how many GPUs (hsdp: one replica's; Ulysses: ZeRO-3 over all of them, dp x sp;
 # context parallelism: FSDP2 over all of them, dp_shard x cp; tensor parallelism alone: every weight matrix
-# split over all of them, as FSDP2 would shard it)
-MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fsdp"}
+# split over all of them, as FSDP2 would shard it; FSDP2 + TP: split over tp, sharded over the tp groups, so
+# again 1/GPUs of every weight, with replicas (hsdp_tp) 1/(GPUs / replicas))
+MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fsdp", "fsdp_tp": "fsdp",
+          "hsdp_tp": "fsdp"}
 # Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
 # moves weights over PCIe every step; HSDP's gathers stay inside a node, as FSDP2's on one node; Ulysses adds
 # four all-to-alls per layer and pass; the ring exchanges every layer's keys and values, overlapped only in
@@ -43,7 +45,7 @@ MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fs
 # --bench for real planning.
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
                "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28,
-               "tp": 0.30}
+               "tp": 0.30, "fsdp_tp": 0.30, "hsdp_tp": 0.30}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -181,9 +183,16 @@ def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 
             raise DisttrainError(f"--cp {cp} must divide --gpus {n_gpus}")
         rows.append(("fsdp_cp", MESHES["fsdp_cp"], n_gpus, cp, 1))
     if tp > 1:
-        if tp != n_gpus:
-            raise DisttrainError(f"--tp {tp} must equal --gpus {n_gpus}: tensor parallelism runs alone (tp.yaml)")
-        rows.append(("tp", MESHES["tp"], n_gpus, 1, tp))
+        if n_gpus % tp or (tp < n_gpus and n_gpus % (tp * hsdp_replicas)):
+            raise DisttrainError(f"--tp {tp} must divide --gpus {n_gpus} (with --hsdp-replicas {hsdp_replicas}: "
+                                 f"{tp} x {hsdp_replicas} must): tensor parallelism runs alone (tp = GPUs) or in "
+                                 "groups under FSDP2")
+        if tp == n_gpus:
+            rows.append(("tp", MESHES["tp"], n_gpus, 1, tp))
+        else:
+            rows.append(("fsdp_tp", MESHES["fsdp_tp"], n_gpus, 1, tp))
+            if hsdp_replicas > 1:
+                rows.append(("hsdp_tp", MESHES["hsdp_tp"], n_gpus // hsdp_replicas, 1, tp))
     return rows
 
 
@@ -382,8 +391,9 @@ def main(argv=None) -> None:
     hw.add_argument("--cp", type=int, default=1,
                     help="add an fsdp_cp row: each sequence split over CP GPUs around the ring (activations / CP)")
     hw.add_argument("--tp", type=int, default=1,
-                    help="add a tp row: tensor parallelism alone over TP = GPUS GPUs (weights and part of the "
-                         "activations / TP)")
+                    help="add a tp row (TP = GPUS: tensor parallelism alone) or fsdp_tp (and, with --hsdp-replicas, "
+                         "hsdp_tp) rows (TP < GPUS: groups of TP GPUs under FSDP2): weights and part of the "
+                         "activations / TP")
     parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
                         help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")

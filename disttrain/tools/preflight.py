@@ -169,6 +169,15 @@ def config_processes(config_file: Path) -> int:
     return max(2, int(yaml.safe_load(config_file.read_text()).get("num_processes") or 2))
 
 
+def config_tp(config_file: Path, nproc: int) -> int:
+    """The tensor-parallel processes a config launches: tp.yaml every process, fsdp_tp.yaml its tp_size."""
+    import yaml
+
+    mesh = yaml.safe_load(config_file.read_text()).get("parallelism_config") or {}
+    tp = int(mesh.get("parallelism_config_tp_size", 1))
+    return nproc if tp > 1 and "parallelism_config_dp_shard_size" not in mesh else tp
+
+
 def ring_on_cpu(config_file: Path) -> dict:
     """The environment a context-parallel dry run needs on a CPU: tests/cpu_ring on PYTHONPATH (see above)."""
     import torch
@@ -209,7 +218,7 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
     shutil.rmtree(work_dir, ignore_errors=True)
     work_dir.mkdir(parents=True)
     try:
-        model_dir, description = build_shrunk_model(recipe, work_dir / "model", nproc if strategy == "tp" else 1)
+        model_dir, description = build_shrunk_model(recipe, work_dir / "model", config_tp(config_file, nproc))
         report.add("shrink", True, f"{recipe.model.name_or_path} -> tiny {description}")
     except Exception as exc:  # unknown architecture, broken config: say so, do not crash
         report.add("shrink", False, f"{type(exc).__name__}: {exc}")

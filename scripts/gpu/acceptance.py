@@ -26,6 +26,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
                               over both: DeepSpeed's all-to-all attention on NCCL, sdpa); SKIP below 2 GPUs
     tensor_parallel_tp2       the same on 2 GPUs under accelerate_configs/tp.yaml (every weight matrix split over
                               both, activations all-reduced over NCCL; DCP checkpoint); SKIP below 2 GPUs
+    fsdp_tp_2x2               the same on 4 GPUs under accelerate_configs/fsdp_tp.yaml (2 groups of tp 2, FSDP2
+                              over them, bf16 all-gathers: transformers' 2-D layout on NCCL); SKIP below 4 GPUs
     lora_{ddp,fsdp}           LoRA trains, every logged loss finite, the adapter is exported
     qlora_{ddp,fsdp}          the same with model.quantization=4bit; qlora_fsdp sets DISTTRAIN_ALLOW_UNVERIFIED=1
                               (this run is what verifies it); SKIP when bitsandbytes does not import
@@ -137,6 +139,7 @@ ITEMS = [
     Item("ulysses_sp2", partial(full_finetune, config="zero3_ulysses", nproc=2), 35, 150, False),  # SKIP below 2
     Item("context_parallel_cp2", partial(full_finetune, config="fsdp_cp", nproc=2), 35, 150, False),  # SKIP below 2
     Item("tensor_parallel_tp2", partial(full_finetune, config="tp", nproc=2), 35, 150, False),  # SKIP below 2
+    Item("fsdp_tp_2x2", partial(full_finetune, config="fsdp_tp", nproc=4), 35, 150, False),  # SKIP below 4 GPUs
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),
