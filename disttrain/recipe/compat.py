@@ -177,7 +177,7 @@ def check_tensor_parallel(recipe: Recipe, tp: int) -> None:
         return
     where = f"tensor parallelism ({TENSOR_PARALLEL_CONFIGS}, tp_size > 1)"
     refused = [(recipe.lora is not None, "a lora section (peft 0.21's tensor-parallel LoRA fails to run on "
-                "row-split projections such as o_proj and down_proj; docs/strategies.md)"),
+                "row-split projections such as o_proj; docs/strategies.md says what else is missing)"),
                (recipe.training.mixed_precision == "fp16",
                 "training.mixed_precision=fp16 (its loss scaler's overflow check must agree across the processes' "
                 "shards, unverified here; use bf16)"),
