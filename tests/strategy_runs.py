@@ -131,15 +131,15 @@ def assert_trains_like_one_process(out: Path, ref: Path, lora: bool) -> None:
 
 
 def assert_resumes_on_its_mesh(runs, model_dir: Path, out: Path, config: str, folder: Path, env=None,
-                               nproc: int = 2, data_ranks: int = 1) -> None:
+                               nproc: int = 2, data_ranks: int = 1, lora: bool = False) -> None:
     """A mesh's run (`data_ranks` groups of processes reading the one-process batch between them): a new launch
     of `nproc` processes under `config` from its step-5 checkpoint repeats steps 6-10 and the weights of the
     uninterrupted `out` (assert_same_run)."""
     from conftest import launch
 
     checkpoint = out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
-    recipe = matrix_recipe(folder, model_dir, small_data(runs), "resumed", processes=data_ranks)
+    recipe = matrix_recipe(folder, model_dir, small_data(runs), "resumed", processes=data_ranks, lora=lora)
     proc = launch(config, recipe, nproc=nproc, overrides=[f"output.resume={checkpoint}"], env=env)
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
-    assert_same_run(out, folder / "resumed", lora=False, first_step=CHECKPOINT_EVERY + 1)
+    assert_same_run(out, folder / "resumed", lora=lora, first_step=CHECKPOINT_EVERY + 1)

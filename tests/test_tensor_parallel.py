@@ -24,20 +24,21 @@ from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_pro
 from strategy_runs import make_train
 
 
-def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp"):
+def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp", lora: bool = False):
     """`make train-tp GPUS=2` (config "single_gpu": one process) on the matrix recipe with the one-process batch
-    (2 rows x accumulation 2), evaluated at the end on the same rows."""
+    (2 rows x accumulation 2), evaluated at the end on the same rows; `lora`: the matrix's LoRA (column- and
+    row-split projections, merged on export)."""
     def make(folder):
         rows = str(small_data(runs))
         data = {"path": rows, "format": "alpaca", "eval_path": rows, "max_seq_len": 48}
-        recipe = matrix_recipe(folder, tiny_model_dir, data, "run", processes=1,
+        recipe = matrix_recipe(folder, tiny_model_dir, data, "run", processes=1, lora=lora,
                                training={"loss_impl": loss_impl, "eval_every": 5}, logging={"samples": 1})
         if config == "single_gpu":
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)
             return folder / "run", proc.stdout
         return folder / "run", make_train("train-tp", recipe, "GPUS=2")
-    return runs.get(f"tensor-parallel-{config}-{loss_impl}", make)
+    return runs.get(f"tensor-parallel-{config}-{loss_impl}{'-lora' if lora else ''}", make)
 
 
 @pytest.mark.launch
@@ -56,6 +57,22 @@ def test_tensor_parallelism_trains_like_one_process(loss_impl, runs, tiny_model_
     assert evals[0] and evals[0] == pytest.approx(evals[1], rel=1e-5)  # every eval row once per rank, not split
     sample = [line for line in stdout.splitlines() if line.startswith("sample: ")]  # both ranks generate it
     assert sample and sample == [line for line in ref_stdout.splitlines() if line.startswith("sample: ")]
+
+
+@pytest.mark.launch
+def test_lora_under_tensor_parallelism_trains_like_one_process_and_resumes_exactly(runs, tiny_model_dir, tmp_path):
+    """LoRA on q_proj, v_proj (column-split: lora_B split) and down_proj (row-split: lora_A split), the adapters
+    drawn alike in both runs (model/lora_init.py): losses, eval losses and the exported adapter (gathered whole)
+    equal one process's, and the merged model is written."""
+    out, stdout = tp_run(runs, tiny_model_dir, lora=True)
+    assert "mesh=tp=2" in stdout
+    ref, _ = tp_run(runs, tiny_model_dir, config="single_gpu", lora=True)
+    assert_trains_like_one_process(out, ref, lora=True)
+    evals = [[r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r] for run in (out, ref)]
+    assert evals[0] and evals[0] == pytest.approx(evals[1], rel=1e-5)
+    assert (out / "final" / "merged" / "model.safetensors").is_file()
+    # a new launch from its step-5 checkpoint (DCP shards of the base and the adapters) repeats steps 6-10
+    assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "tp", tmp_path, lora=True)
 
 
 @pytest.mark.launch
@@ -202,7 +219,7 @@ def test_the_plan_groups_every_process_around_one_batch_and_refuses_other_meshes
 
 
 @pytest.mark.parametrize("recipe_file, override, named", [
-    ("sft", "lora.r=8", "a lora section"), ("dpo", "training.max_steps=2", "training.objective=dpo"),
+    ("sft", "lora.r=8 lora.use_dora=true", "lora.use_dora"), ("dpo", "training.max_steps=2", "training.objective=dpo"),
     ("sft", "data.streaming=true training.max_steps=4", "data.streaming=true"), ("sft", "training.loss_impl=trl", "training.loss_impl=trl"),
     ("sft", "training.compile=true", "training.compile=true"),
     ("sft", "training.mixed_precision=fp16", "training.mixed_precision=fp16")])
@@ -212,3 +229,10 @@ def test_what_tensor_parallelism_does_not_verify_is_refused_in_one_line(recipe_f
                                              r"\(accelerate_configs/tp.yaml or fsdp_tp.yaml"):
         check_tensor_parallel(recipe, 2)
     check_tensor_parallel(recipe, 1)  # without tensor parallelism: nothing to refuse here
+
+
+def test_lora_runs_under_tensor_parallelism_alone_and_is_refused_under_fsdp2_with_it():
+    recipe = load_recipe(str(REPO / "recipes/tiny/sft.yaml"), ["lora.r=8"])
+    check_tensor_parallel(recipe, 2)
+    with pytest.raises(DisttrainError, match=r"^a lora section under FSDP2 \+ TP .* LoRA runs under tp.yaml alone"):
+        check_tensor_parallel(recipe, 2, data_parallel=2)

@@ -6,8 +6,9 @@ import sys
 
 import torch
 
-from disttrain.recipe.schema import LoraSection, ModelSection
 from disttrain.errors import DisttrainError
+from disttrain.model import lora_init
+from disttrain.recipe.schema import LoraSection, ModelSection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -111,7 +112,12 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
                         rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    # the same initial adapters under every strategy and mesh; split adapters sized as their weights: lora_init.py
+    if not (lora.use_dora and lora.init_lora_weights is False):  # DoRA's magnitudes were taken from peft's draws
+        lora_init.seed_adapters(model, lora.init_lora_weights)
+    lora_init.size_split_adapters(model)
+    return model
 
 
 def add_embedding_noise(model, alpha: float | None, accelerator) -> None:

@@ -170,17 +170,27 @@ def check_sequence_model(config, sp: int, cp: int) -> None:
 TENSOR_PARALLEL_CONFIGS = "accelerate_configs/tp.yaml or fsdp_tp.yaml"
 
 
-def check_tensor_parallel(recipe: Recipe, tp: int) -> None:
-    """Tensor parallelism (alone or under FSDP2) is verified here for full fine-tuning with the SFT objective on
-    map-style data, under the chunked and the plain loss; the rest is refused, not guessed."""
+def check_tensor_parallel(recipe: Recipe, tp: int, data_parallel: int = 1) -> None:
+    """Tensor parallelism is verified here for the SFT objective on map-style data, under the chunked and the plain
+    loss: full fine-tuning alone and under FSDP2 (`data_parallel` > 1 groups), LoRA alone; the rest is refused,
+    not guessed."""
     if tp == 1:
         return
     where = f"tensor parallelism ({TENSOR_PARALLEL_CONFIGS}, tp_size > 1)"
-    refused = [(recipe.lora is not None, "a lora section (peft 0.21's tensor-parallel LoRA fails to run on "
-                "row-split projections such as o_proj; docs/strategies.md says what else is missing)"),
+    lora = recipe.lora
+    refused = [(lora is not None and data_parallel > 1,
+                "a lora section under FSDP2 + TP (peft's adapters come after the FSDP2 transformers applies, which "
+                "would not shard or reduce them; LoRA runs under tp.yaml alone)"),
+               (recipe.model.quantization is not None, "model.quantization (QLoRA's 4-bit weights on tensor-parallel "
+                "layers, unverified here)"),
+               (lora is not None and (lora.use_dora or bool(lora.target_parameters) or bool(lora.modules_to_save)),
+                "lora.use_dora, lora.target_parameters or lora.modules_to_save (on tensor-parallel layers, "
+                "unverified here)"),
                (recipe.training.mixed_precision == "fp16",
                 "training.mixed_precision=fp16 (its loss scaler's overflow check must agree across the processes' "
                 "shards, unverified here; use bf16)"),
+               (recipe.training.optimizer != "adamw", f"training.optimizer={recipe.training.optimizer} (on "
+                "tensor-parallel DTensors, unverified here)"),
                (recipe.training.objective != "sft", f"training.objective={recipe.training.objective}"),
                (recipe.data.streaming, "data.streaming=true"),
                (recipe.training.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head reads lm_head whole)"),
@@ -218,7 +228,8 @@ def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None
                              "fsdp.yaml")
 
 
-def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1, tp: int = 1) -> None:
+def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, cp: int = 1, tp: int = 1,
+                        tp_data: tuple[int, int] = (1, 1)) -> None:
     """Everything that would stop this recipe under this launch, checked before the process group exists (one
     line each); and the launch-environment warnings (restarts, the preemption shutdown timeout)."""
     from disttrain.model import hub
@@ -226,7 +237,7 @@ def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, c
 
     check(recipe, strategy, gpu)
     check_sequence_parallel(recipe, sp, cp)
-    check_tensor_parallel(recipe, tp)
+    check_tensor_parallel(recipe, tp, tp_data[0] * tp_data[1])
     check_trackers(recipe.logging.report_to)
     hub.check_token(recipe.output.push_to_hub)  # before training, not after it
     check_zero3_export(recipe, strategy)
