@@ -29,6 +29,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
     fsdp_tp_2x2               the same on 4 GPUs under accelerate_configs/fsdp_tp.yaml (2 groups of tp 2, FSDP2
                               over them, bf16 all-gathers: transformers' 2-D layout on NCCL); SKIP below 4 GPUs
     lora_{ddp,fsdp}           LoRA trains, every logged loss finite, the adapter is exported
+    lora_tp2                  the same on 2 GPUs under accelerate_configs/tp.yaml (split adapters on NCCL); SKIP below
+                              2 GPUs
     qlora_{ddp,fsdp}          the same with model.quantization=4bit; qlora_fsdp sets DISTTRAIN_ALLOW_UNVERIFIED=1
                               (this run is what verifies it); SKIP when bitsandbytes does not import
     adamw_8bit                training.optimizer=adamw_8bit on one GPU; SKIP without bitsandbytes
@@ -142,6 +144,7 @@ ITEMS = [
     Item("fsdp_tp_2x2", partial(full_finetune, config="fsdp_tp", nproc=4), 35, 150, False),  # SKIP below 4 GPUs
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
+    Item("lora_tp2", partial(adapter, config="tp", quantized=False, nproc=2), 18, 60, False),  # SKIP below 2
     Item("qlora_ddp", partial(adapter, config="ddp", quantized=True), 18, 60, False),
     Item("qlora_fsdp", partial(adapter, config="fsdp", quantized=True), 20, 60, False),
     Item("adamw_8bit", adamw_8bit, 15, 60, False),

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from harness import LORA, PASS, Ctx, Skip, check_adapter_export, recipe, require_finite_losses, train
 
-def adapter(ctx: Ctx, config: str, quantized: bool) -> tuple[str, str]:
-    """LoRA (or QLoRA) trains with finite losses and exports its adapter."""
+def adapter(ctx: Ctx, config: str, quantized: bool, nproc: int = 1) -> tuple[str, str]:
+    """LoRA (or QLoRA) trains with finite losses and exports its adapter; `nproc` processes (one GPU each; a
+    machine with fewer SKIPs)."""
+    import torch
+
+    if nproc > 1 and torch.cuda.device_count() < nproc:
+        raise Skip(f"needs {nproc} GPUs ({config}); this machine has {torch.cuda.device_count()}")
     env = {}
     model = {}
     if quantized:
@@ -17,7 +22,8 @@ def adapter(ctx: Ctx, config: str, quantized: bool) -> tuple[str, str]:
             env = {"DISTTRAIN_ALLOW_UNVERIFIED": "1"}  # disttrain refuses QLoRA + FSDP2 until this run passes
             ctx.figures["env"] = env
     run = ctx.item_dir / "run"
-    _, log = train(ctx, "run", config, recipe(ctx, run, model=model, lora=LORA, training={"lr": 1e-3}), env=env)
+    _, log = train(ctx, "run", config, recipe(ctx, run, model=model, lora=LORA, training={"lr": 1e-3}), env=env,
+                   nproc=nproc)
     found = require_finite_losses(run, ctx.s.steps, log)
     tensors = len(check_adapter_export(run / "final", log))
     ctx.figures.update(first_loss=found[1], final_loss=found[ctx.s.steps], adapter_tensors=tensors)
