@@ -143,3 +143,57 @@ def assert_resumes_on_its_mesh(runs, model_dir: Path, out: Path, config: str, fo
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
     assert_same_run(out, folder / "resumed", lora=lora, first_step=CHECKPOINT_EVERY + 1)
+
+
+def assert_exports_from_its_last_checkpoint(out: Path, folder: Path) -> None:
+    """`make export` (disttrain.model.from_checkpoint, one process) reads the run's step-10 checkpoint back as
+    exactly the model the run exported."""
+    import sys
+
+    last = out / "checkpoints" / f"step-{STEPS:08d}"
+    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last), str(folder / "exported")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_ok(proc)
+    exported, final = (load_file(d / "model.safetensors") for d in (folder / "exported", out / "final"))
+    assert set(exported) == set(final)
+    for key, value in final.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+
+
+def assert_preflight_trains_like(recipe: str, strategy: str, folder: Path, reference: str = "single_gpu",
+                                 nproc: int = 1, micro_batch_factor: int = 1) -> None:
+    """`make preflight STRATEGY=<strategy>` of a shipped recipe passes every stage (trains, checkpoints, resumes
+    in a new launch at step 2, exports); then the run's own recipe copy (the shrunk model, the same rows) under
+    `reference` on `nproc` processes, each micro-batch `micro_batch_factor` times the preflight's, logs the same
+    4 losses (rel 1e-4) and ends with the same weights (1e-4 / 1e-3)."""
+    import yaml
+
+    from disttrain.tools.preflight import run
+
+    work = folder / "pf"
+    report = run(str(REPO / "recipes" / recipe), strategy, nproc=None, steps=4, work_dir=work,
+                 overrides=["logging.samples=0", "output.report=false"])
+    assert [(stage, status) for stage, status, _ in report.rows] == [
+        (stage, "PASS") for stage in ("recipe", "compatibility", "shrink", "save", "resume", "export")], report.rows
+    micro_batch = yaml.safe_load((work / "run" / "recipe.yaml").read_text())["training"]["micro_batch_size"]
+    other = launch(reference, work / "run" / "recipe.yaml", nproc=nproc,
+                   overrides=[f"output.dir={folder / 'other'}", "output.resume=none", "training.stop_at_step=null",
+                              f"training.micro_batch_size={micro_batch * micro_batch_factor}"])
+    assert_ok(other)
+    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (work / "run", folder / "other")]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
+    ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (work / "run", folder / "other"))
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+
+
+def mesh_plan(monkeypatch, processes: int, **sizes):
+    """The ParallelPlan of a launch of `processes` whose accelerate config set these mesh sizes."""
+    from disttrain.runtime.plan import ParallelPlan
+
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for dim, size in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", str(size))
+    return ParallelPlan.from_launch()

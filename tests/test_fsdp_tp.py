@@ -9,21 +9,16 @@ counting each batch once, its eval loss the one process's; its checkpoint
 (DCP shards: training/accelerator_state.py) resumes exactly on its mesh, and its export is a plain HF model dir.
 In-process: the plan, the refusals."""
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
-import yaml
-from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, launch
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
-from disttrain.runtime.plan import ParallelPlan
+from strategy_runs import assert_exports_from_its_last_checkpoint, assert_preflight_trains_like
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe
-from strategy_runs import small_data
+from strategy_runs import mesh_plan, small_data
 
 
 def fsdp_tp_run(runs, tiny_model_dir, config: str = "fsdp_tp", *variables: str):
@@ -65,15 +60,7 @@ def test_fsdp2_with_tensor_parallelism_resumes_exactly_on_its_mesh_and_exports_f
     out, _ = fsdp_tp_run(runs, tiny_model_dir)
     assert (out / "checkpoints" / "step-00000005" / "tp_state" / ".metadata").is_file()  # DCP shards
     assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "fsdp_tp", tmp_path, nproc=4, data_ranks=2)
-    # `make export` reads the last checkpoint back, in one process, as the model the run exported
-    last = out / "checkpoints" / "step-00000010"
-    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last), str(tmp_path / "exported")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert_ok(proc)
-    exported, final = (load_file(d / "model.safetensors") for d in (tmp_path / "exported", out / "final"))
-    assert set(exported) == set(final)
-    for key, value in final.items():
-        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+    assert_exports_from_its_last_checkpoint(out, tmp_path)
 
 
 @pytest.mark.launch
@@ -85,25 +72,17 @@ def test_hsdp_with_tensor_parallelism_replicates_across_groups_like_one_process(
     assert_trains_like_one_process(out, ref, lora=False)
 
 
-def _plan(monkeypatch, processes: int, **sizes) -> ParallelPlan:
-    monkeypatch.setenv("WORLD_SIZE", str(processes))
-    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    for dim, size in sizes.items():
-        monkeypatch.setenv(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", str(size))
-    return ParallelPlan.from_launch()
-
-
 def test_the_plan_lays_data_ranks_over_the_tensor_parallel_groups(monkeypatch):
-    plan = _plan(monkeypatch, 8, tp=2, dp_shard=4)
+    plan = mesh_plan(monkeypatch, 8, tp=2, dp_shard=4)
     assert (plan.label, plan.mesh, plan.tp, plan.tp_data, plan.group, plan.share) == (
         "fsdp_tp", "dp_shard=4,tp=2", 2, (1, 4), 2, 0.5)
     ranks = [plan.data_rank(SimpleNamespace(process_index=i)) for i in range(8)]
     assert ranks == [0, 0, 1, 1, 2, 2, 3, 3]  # transformers' mesh (dp_replicate, fsdp, tp): tp innermost
-    plan = _plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=2)
+    plan = mesh_plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=2)
     assert (plan.label, plan.mesh, plan.tp_data) == ("hsdp_tp", "dp_replicate=2,dp_shard=2,tp=2", (2, 2))
     with pytest.raises(DisttrainError, match=r"dp_replicate_size=1 x dp_shard_size=2 x tp_size=2 must equal the 8 "
                                              r"processes launched"):
-        _plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=1)
+        mesh_plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=1)
 
 
 class _Recorder:
@@ -124,7 +103,7 @@ def test_fsdp2_reduces_the_gradients_once_per_accumulation_window(monkeypatch, r
     """accelerate's `accumulate` defers DDP's reduction and its own FSDP2's, not the FSDP2 transformers applied:
     the plan's micro-batch context switches it off for every micro-batch but the window's last (with replicas,
     only the all-reduce across them), and on again after each."""
-    plan = _plan(monkeypatch, 4, tp=2, dp_shard=2 // replicas, dp_replicate=replicas)
+    plan = mesh_plan(monkeypatch, 4, tp=2, dp_shard=2 // replicas, dp_replicate=replicas)
     model, accelerator = _Recorder(), SimpleNamespace(sync_gradients=False)
     context = plan.micro_batch_context(accelerator, model)
     with context({}):
@@ -144,25 +123,9 @@ def test_shipped_full_fine_tunes_preflight_under_fsdp2_with_tensor_parallelism(r
     exports; the same recipe (its copy in the run dir) then logs the same losses and ends with the same weights
     in one process reading both groups' rows (Llama) or, since the router loss depends on how the batch is
     split, in DDP's 2 processes (Qwen3-MoE)."""
-    from disttrain.tools.preflight import run
-
-    work = tmp_path / "pf"
-    report = run(str(REPO / "recipes" / recipe), "fsdp_tp", nproc=None, steps=4, work_dir=work,
-                 overrides=["logging.samples=0", "output.report=false"])
-    assert [(stage, status) for stage, status, _ in report.rows] == [
-        (stage, "PASS") for stage in ("recipe", "compatibility", "shrink", "save", "resume", "export")], report.rows
-    micro_batch = yaml.safe_load((work / "run" / "recipe.yaml").read_text())["training"]["micro_batch_size"]
-    nproc, rows = (1, 2 * micro_batch) if reference == "single_gpu" else (2, micro_batch)
-    other = launch(reference, work / "run" / "recipe.yaml", nproc=nproc,
-                   overrides=[f"output.dir={tmp_path / 'other'}", "output.resume=none", "training.stop_at_step=null",
-                              f"training.micro_batch_size={rows}"])
-    assert_ok(other)
-    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (work / "run", tmp_path / "other")]
-    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
-    ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (work / "run", tmp_path / "other"))
-    assert set(ours) == set(theirs)
-    for key, value in theirs.items():
-        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+    # one process reads both groups' rows per micro-batch; each DDP rank one group's
+    nproc, factor = (1, 2) if reference == "single_gpu" else (2, 1)
+    assert_preflight_trains_like(recipe, "fsdp_tp", tmp_path, reference, nproc, factor)
 
 
 @pytest.mark.launch

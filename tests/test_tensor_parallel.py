@@ -7,21 +7,17 @@ the same tolerances as every strategy), its metrics count each batch once, its e
 its checkpoint (DCP shards of weights and optimizer states: training/accelerator_state.py) resumes exactly on
 its mesh, and its export is a plain HF model dir. In-process: the plan and the refusals."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.recipe.compat import check_tensor_parallel, check_tensor_parallel_model
 from disttrain.recipe.schema import load_recipe
-from disttrain.runtime.plan import ParallelPlan
-from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
-from strategy_runs import make_train
+from strategy_runs import assert_exports_from_its_last_checkpoint, assert_preflight_trains_like
+from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe
+from strategy_runs import mesh_plan, small_data
 
 
 def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp", lora: bool = False):
@@ -80,15 +76,7 @@ def test_tensor_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tm
     out, _ = tp_run(runs, tiny_model_dir)
     assert (out / "checkpoints" / "step-00000005" / "tp_state" / ".metadata").is_file()  # DCP shards
     assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "tp", tmp_path)
-    # `make export` reads the last checkpoint back, in one process, as the model the run exported
-    last = out / "checkpoints" / "step-00000010"
-    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last), str(tmp_path / "exported")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert_ok(proc)
-    exported, final = (load_file(d / "model.safetensors") for d in (tmp_path / "exported", out / "final"))
-    assert set(exported) == set(final)
-    for key, value in final.items():
-        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+    assert_exports_from_its_last_checkpoint(out, tmp_path)
 
 
 @pytest.mark.launch
@@ -100,22 +88,7 @@ def test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_li
     resumes in a new launch at step 2 and exports; one process on the same recipe (its copy in the run dir:
     the shrunk model, the same rows and batch: TP ranks share the batch) logs the same losses and ends with the
     same weights."""
-    from disttrain.tools.preflight import run
-
-    work = tmp_path / "pf"
-    report = run(str(REPO / "recipes" / recipe), "tp", nproc=None, steps=4, work_dir=work,
-                 overrides=["logging.samples=0", "output.report=false"])
-    assert [(stage, status) for stage, status, _ in report.rows] == [
-        (stage, "PASS") for stage in ("recipe", "compatibility", "shrink", "save", "resume", "export")], report.rows
-    single = launch("single_gpu", work / "run" / "recipe.yaml", nproc=1,
-                    overrides=[f"output.dir={tmp_path / 'single'}", "output.resume=none", "training.stop_at_step=null"])
-    assert_ok(single)
-    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (work / "run", tmp_path / "single")]
-    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
-    ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (work / "run", tmp_path / "single"))
-    assert set(ours) == set(theirs)
-    for key, value in theirs.items():
-        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+    assert_preflight_trains_like(recipe, "tp", tmp_path)
 
 
 FAMILIES = {  # what each adds to the path: logit scaling (Granite divides, Cohere multiplies), final-logit
@@ -198,24 +171,16 @@ def test_tied_embeddings_under_fsdp2_with_tensor_parallelism_are_refused_in_one_
         check_tensor_parallel_model(tied, 2, data_parallel=2)
 
 
-def _plan(monkeypatch, processes: int, **sizes) -> ParallelPlan:
-    monkeypatch.setenv("WORLD_SIZE", str(processes))
-    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    for dim, size in sizes.items():
-        monkeypatch.setenv(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", str(size))
-    return ParallelPlan.from_launch()
-
-
 def test_the_plan_groups_every_process_around_one_batch_and_refuses_other_meshes(monkeypatch):
-    plan = _plan(monkeypatch, 4, tp=4)
+    plan = mesh_plan(monkeypatch, 4, tp=4)
     assert (plan.label, plan.mesh, plan.tp, plan.group, plan.share) == ("tp", "tp=4", 4, 4, 0.25)
     with pytest.raises(DisttrainError, match=r"tp_size=2 must equal the 4 processes launched"):
-        _plan(monkeypatch, 4, tp=2)
+        mesh_plan(monkeypatch, 4, tp=2)
     with pytest.raises(DisttrainError, match=r"tp_size=2 runs alone .* not with \{'cp': 2\}"):
-        _plan(monkeypatch, 4, tp=2, cp=2)
+        mesh_plan(monkeypatch, 4, tp=2, cp=2)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(DisttrainError, match=r"not with an FSDP or DeepSpeed config"):
-        _plan(monkeypatch, 2, tp=2, dp_shard=1)
+        mesh_plan(monkeypatch, 2, tp=2, dp_shard=1)
 
 
 @pytest.mark.parametrize("recipe_file, override, named", [
