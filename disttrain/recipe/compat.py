@@ -219,9 +219,9 @@ def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None
                              f"parallelism over {tp} processes needs both divisible by {tp} (each keeps whole heads); "
                              f"launch {where} with --num_processes / --parallelism_config_tp_size dividing {kv_heads}")
     if data_parallel > 1 and getattr(text, "tie_word_embeddings", False):
-        # transformers 5 wraps the tied embeddings and lm_head in two FSDP2 groups (embed_tokens with the final
-        # norm, lm_head with the root), so lm_head would compute with a copy the optimizer never updates (measured:
-        # the losses leave one process's from step 2)
+        # transformers 5.25 applies FSDP2 before it ties lm_head to the embeddings: they become two FSDP2
+        # parameters (embed_tokens grouped with the final norm, lm_head in the root group), and lm_head computes
+        # with a copy the optimizer never updates (measured: the losses leave one process's from step 2)
         raise DisttrainError(f"{type(text).__name__} ties its input and output embeddings (tie_word_embeddings): "
                              "under FSDP2 + TP (fsdp_tp.yaml) transformers shards the two in separate FSDP2 groups "
                              "and lm_head would train a stale copy; use tp.yaml (tensor parallelism alone) or "
