@@ -1,7 +1,7 @@
 """HSDP (accelerate_configs/hsdp.yaml, `make train-hsdp`): FSDP2 on a 2-D mesh, sharded within each replica
 group and replicated across them, from accelerate's ParallelismConfig. On 4 CPU processes as 2 replicas x 2
-shards: the matrix recipe with 4 rows per step (4 processes x 1 row) trains the model one process trains
-(tests/strategy_runs.py, the same tolerances as every strategy), the parameters really are laid out as
+shards: the matrix recipe with 4 rows per step (4 processes x 1 row) trains the model (full, and LoRA) one
+process trains (tests/strategy_runs.py, the same tolerances as every strategy), the parameters really are laid out as
 (Replicate, Shard), its checkpoint records the mesh and resumes on it exactly, another mesh is refused in one
 line, and the meshes disttrain does not handle yet (tensor, context parallel) are refused before
 anything starts."""
@@ -13,8 +13,8 @@ from conftest import assert_ok, launch
 from disttrain.errors import DisttrainError
 from disttrain.runtime.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
-from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, final_weights, losses, make_train,
-                           matrix_recipe, small_data, strategy_run)
+from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, final_weights,
+                           losses, make_train, matrix_recipe, small_data, strategy_run)
 
 MESH = "dp_replicate=2,dp_shard=2"
 
@@ -40,6 +40,18 @@ def test_hsdp_trains_like_one_process_on_a_two_dimensional_mesh(hsdp_run, runs, 
     assert set(ours) == set(single)
     for key, value in single.items():
         torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=key)
+
+
+@pytest.mark.launch
+def test_hsdp_trains_lora_like_one_process(runs, tiny_model_dir):
+    """The matrix LoRA (merged on export) on the same 2 x 2 mesh: losses and the exported adapter are one
+    process's."""
+    def make(folder):
+        recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", lora=True, training={"grad_accum": 1})
+        return folder / "run", make_train("train-hsdp", recipe, "GPUS=4", "HSDP_REPLICAS=2")
+    out, stdout = runs.get("hsdp-lora", make)
+    assert f"mesh={MESH}" in stdout
+    assert_trains_like_one_process(out, strategy_run(runs, tiny_model_dir, "single_gpu", True).out, lora=True)
 
 
 @pytest.mark.launch
