@@ -144,8 +144,7 @@ def main(argv=None):
 if __name__ == "__main__":
     with exit_on_user_error(), guards.collective_failures_explained():
         main(sys.argv[1:])
-    # Everything is written and the process group and trackers are closed. Skip interpreter teardown:
-    # there a C++ thread of the distributed stack sometimes aborts a finished rank ("terminate called
-    # without an active exception", SIGABRT), which fails the whole launch after a good run.
+    # Everything is written, the process group and trackers are closed. Skip interpreter teardown: there a C++ thread
+    # of the distributed stack sometimes aborts a finished rank (SIGABRT), which fails the launch after a good run.
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
