@@ -172,5 +172,10 @@ def test_bench_long_launches_each_mesh_with_its_config_and_sizes():
     assert (ROOT / "tests" / "cpu_ring" / "sitecustomize.py").is_file()
     assert launch_args("sp", 2, 2)[:2] == ("zero3_ulysses", ["--parallelism_config_sp_size", "2",
                                                              "--parallelism_config_dp_shard_size", "1"])
+    # tensor parallelism: alone when it takes every process, under FSDP2 (fsdp_tp.yaml) otherwise
+    assert launch_args("tp", 1, 2) == ("fsdp", [], {})
+    assert launch_args("tp", 2, 2) == ("tp", ["--parallelism_config_tp_size", "2"], {})
+    assert launch_args("tp", 2, 4) == ("fsdp_tp", ["--parallelism_config_tp_size", "2",
+                                                   "--parallelism_config_dp_shard_size", "2"], {})
     with pytest.raises(DisttrainError, match="--cp 3 must divide --nproc 4"):
         launch_args("cp", 3, 4)

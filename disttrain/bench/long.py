@@ -1,19 +1,21 @@
 """`make bench-long`: the memory a long sequence takes per rank, whole on every process vs cut by Ulysses (under
-ZeRO-3) or by context parallelism (under FSDP2).
+ZeRO-3) or by context parallelism (under FSDP2), or with every layer's matrices split by tensor parallelism.
 
     python -m disttrain.bench.long                                  # CPU defaults below
     python -m disttrain.bench.long --cp 1,2                         # context parallelism too
+    python -m disttrain.bench.long --sp '' --tp 1,2                 # tensor parallelism (FSDP2 as size 1)
     python -m disttrain.bench.long --seq 32768 --hidden 4096 --layers 4 --sp 1,2,4 --cp 1,2,4 --nproc 4  # GPUs
 
 A Llama-shaped model with a wide body and a small vocabulary (the layers' activations dominate, not the
 logits) is made locally; rows of `--seq` tokens, all targets, no padding. For each size in `--sp` (1:
 accelerate_configs/zero3.yaml, every process a whole sequence; S > 1: zero3_ulysses.yaml with S processes per
-sequence) and in `--cp` (1: fsdp.yaml; C > 1: fsdp_cp.yaml, C processes around the attention ring) on
-`--nproc` processes, two launches of train.py:
+sequence), in `--cp` (1: fsdp.yaml; C > 1: fsdp_cp.yaml, C processes around the attention ring) and in `--tp`
+(1: fsdp.yaml; T > 1: tp.yaml when T is every process, else fsdp_tp.yaml, groups of T sharing each sequence,
+every matrix split over them) on `--nproc` processes, two launches of train.py:
 - long:  rows of `--seq` tokens;
 - floor: the same model, strategy and steps on rows of `--floor-seq` tokens: everything but the sequence.
 Activations per rank = peak(long) - peak(floor); the expectation is ~1/S of size 1's (the same strategy without
-the cut). On a CPU, torch's ring attention needs the test-only CPU kernel mapping (tests/cpu_ring, put on
+the cut); under TP only attention's and the MLP's part falls (the cost planner's (10 + 24/T) of 34). On a CPU, torch's ring attention needs the test-only CPU kernel mapping (tests/cpu_ring, put on
 PYTHONPATH for those launches and said in the results): torch maps only its CUDA kernels. Peak memory per rank,
 max over ranks: `torch.cuda.max_memory_allocated` on GPUs, peak RSS on CPUs (hence the floor, measured the
 same way). Also the step time (median after warm-up) and tokens/s per device.
@@ -45,17 +47,19 @@ def recipe(model_dir: Path, data: Path, seq: int) -> dict:
             "logging": {"report_to": ["none"]}, "output": {"dir": "unused"}}
 
 
-MESHES = {"sp": ("zero3", "zero3_ulysses"), "cp": ("fsdp", "fsdp_cp")}  # size 1, size > 1
+MESHES = {"sp": ("zero3", "zero3_ulysses"), "cp": ("fsdp", "fsdp_cp"), "tp": ("fsdp", "fsdp_tp")}  # size 1, > 1
 
 
 def launch_args(mesh: str, size: int, nproc: int) -> tuple[str, list[str], dict]:
-    """The accelerate config, launcher flags and environment of a sequence-parallel (sp) or context-parallel
-    (cp) size."""
+    """The accelerate config, launcher flags and environment of a sequence-parallel (sp), context-parallel (cp)
+    or tensor-parallel (tp) size."""
     plain, cut = MESHES[mesh]
     if size == 1:
         return plain, [], {}
     if nproc % size:
         raise DisttrainError(f"bench-long: --{mesh} {size} must divide --nproc {nproc}")
+    if mesh == "tp" and size == nproc:
+        return "tp", ["--parallelism_config_tp_size", str(size)], {}
     import torch
 
     env = cpu_ring_env() if mesh == "cp" and not torch.cuda.is_available() else {}
@@ -72,7 +76,7 @@ def measure(args) -> list[dict]:
     model_dir = build_model(out, args.vocab, args.seq, **body)
     text = build_text(out, args.seq, rows=args.steps * args.nproc)
     rows = []
-    sizes = [(mesh, int(s)) for mesh in ("sp", "cp") for s in getattr(args, mesh).split(",") if s]
+    sizes = [(mesh, int(s)) for mesh in ("sp", "cp", "tp") for s in getattr(args, mesh).split(",") if s]
     for mesh, size in sizes:
         config, flags, env = launch_args(mesh, size, args.nproc)
         row = {"mesh": mesh, "size": size, "config": config, "processes": args.nproc,
@@ -130,6 +134,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sp", default="1,2", help="Ulysses sizes under ZeRO-3; 1 = plain ZeRO-3 (the reference)")
     parser.add_argument("--cp", default="", help="context-parallel sizes under FSDP2; 1 = plain FSDP2 (the reference)")
+    parser.add_argument("--tp", default="", help="tensor-parallel sizes (alone when = --nproc, else under FSDP2); "
+                                                 "1 = plain FSDP2 (the reference)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--floor-seq", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)
