@@ -15,8 +15,9 @@ every matrix split over them) on `--nproc` processes, two launches of train.py:
 - long:  rows of `--seq` tokens;
 - floor: the same model, strategy and steps on rows of `--floor-seq` tokens: everything but the sequence.
 Activations per rank = peak(long) - peak(floor); the expectation is ~1/S of size 1's (the same strategy without
-the cut); under TP only attention's and the MLP's part falls (the cost planner's (10 + 24/T) of 34). On a CPU, torch's ring attention needs the test-only CPU kernel mapping (tests/cpu_ring, put on
-PYTHONPATH for those launches and said in the results): torch maps only its CUDA kernels. Peak memory per rank,
+the cut); under TP only attention's and the MLP's part falls (the cost planner's (10 + 24/T) of 34). On a CPU,
+torch's ring attention needs the test-only CPU kernel mapping (tests/cpu_ring, put on PYTHONPATH for those
+launches and said in the results): torch maps only its CUDA kernels. Peak memory per rank,
 max over ranks: `torch.cuda.max_memory_allocated` on GPUs, peak RSS on CPUs (hence the floor, measured the
 same way). Also the step time (median after warm-up) and tokens/s per device.
 Writes <out>/results.json and results.md (default bench/long).

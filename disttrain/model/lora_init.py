@@ -32,22 +32,21 @@ def seed_adapters(model, init: bool | str) -> None:
 
     seed = torch.initial_seed()  # the recipe's training.seed (set_seed before the model is loaded)
     for name, module in model.named_modules():
-        drawn = [(f"{name}.lora_A.{adapter}", linear.weight, module.r[adapter])
+        # (what, the parameter, its distribution: a normal's std, or None for nn.Linear's Kaiming-uniform)
+        drawn = [(f"{name}.lora_A.{adapter}", linear.weight, 1.0 / module.r[adapter] if init == "gaussian" else None)
                  for adapter, linear in getattr(module, "lora_A", {}).items()]
         if init is False:  # peft keeps nn.Linear's own initialisation for both (B not zero): drawn alike
-            drawn += [(f"{name}.lora_B.{adapter}", linear.weight, 0)
+            drawn += [(f"{name}.lora_B.{adapter}", linear.weight, None)
                       for adapter, linear in getattr(module, "lora_B", {}).items()]
-        drawn += [(f"{name}.lora_embedding_B.{adapter}", weight, None)
+        drawn += [(f"{name}.lora_embedding_B.{adapter}", weight, 1.0)  # an embedding's B: peft's normal_
                   for adapter, weight in getattr(module, "lora_embedding_B", {}).items()]
-        for key, weight, r in drawn:
+        for key, weight, std in drawn:
             generator = torch.Generator().manual_seed((seed + zlib.crc32(key.encode())) % 2**63)
             whole = torch.empty(weight.shape, dtype=torch.float32)
-            if r is None:  # an embedding's B: peft's nn.init.normal_
-                whole.normal_(generator=generator)
-            elif init == "gaussian" and r:
-                whole.normal_(0.0, 1.0 / r, generator=generator)
-            else:
+            if std is None:
                 torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+            else:
+                whole.normal_(0.0, std, generator=generator)
             if isinstance(weight, DTensor):  # this process's part (every process drew the whole alike)
                 weight.to_local().copy_(distribute_tensor(whole, weight.device_mesh, weight.placements,
                                                           src_data_rank=None).to_local())

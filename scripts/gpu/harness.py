@@ -160,6 +160,14 @@ def recipe(ctx: Ctx, run_dir: Path, **sections) -> dict:
     return tree
 
 
+def require_gpus(nproc: int, config: str) -> None:
+    """SKIP an item whose launch needs more GPUs than this machine has."""
+    import torch
+
+    if nproc > 1 and torch.cuda.device_count() < nproc:
+        raise Skip(f"needs {nproc} GPUs ({config}); this machine has {torch.cuda.device_count()}")
+
+
 def train(ctx: Ctx, label: str, config: str, tree: dict, overrides: tuple[str, ...] = (),
           env: dict | None = None, nproc: int = 1) -> tuple[subprocess.CompletedProcess, Path]:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes <nproc> train.py`

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from harness import LORA, PASS, Ctx, Skip, check_adapter_export, recipe, require_finite_losses, train
+from harness import (LORA, PASS, Ctx, Skip, check_adapter_export, recipe, require_finite_losses, require_gpus,
+                     train)
 
 def adapter(ctx: Ctx, config: str, quantized: bool, nproc: int = 1) -> tuple[str, str]:
     """LoRA (or QLoRA) trains with finite losses and exports its adapter; `nproc` processes (one GPU each; a
     machine with fewer SKIPs)."""
-    import torch
-
-    if nproc > 1 and torch.cuda.device_count() < nproc:
-        raise Skip(f"needs {nproc} GPUs ({config}); this machine has {torch.cuda.device_count()}")
+    require_gpus(nproc, config)
     env = {}
     model = {}
     if quantized:

@@ -4,7 +4,7 @@ uninterrupted run and a resumed one that must repeat it; and 8-bit Adam (bitsand
 from __future__ import annotations
 
 from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read_metrics, recipe, \
-    require_finite_losses, train
+    require_finite_losses, require_gpus, train
 
 from disttrain.runtime.startup import CYCLES_HELD_GPU_MEMORY
 
@@ -14,10 +14,7 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
     per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
     batches to the GPU itself; each rank's position from the checkpoint). `nproc`: processes (one GPU each);
     a machine with fewer GPUs SKIPs the item (HSDP's 2 x 2 mesh needs 4)."""
-    import torch
-
-    if nproc > 1 and torch.cuda.device_count() < nproc:
-        raise Skip(f"needs {nproc} GPUs ({config}); this machine has {torch.cuda.device_count()}")
+    require_gpus(nproc, config)
     if config.startswith("zero"):
         ok, why = ctx.importable("deepspeed")
         if not ok:
