@@ -66,9 +66,9 @@ class TurnLayout:
     closing: str
     end: str | None
     markup: re.Pattern | None
-    # after the header and each further opener: whether the generation prompt goes on with whitespace (then the
-    # reply starts after the rendering's whitespace there; else the model writes it: Llama-2's " answer")
-    spaced: tuple[bool, ...] = (False,)
+    # after the header and each further opener: the whitespace the generation prompt goes on with there (the
+    # prompt ends with it, so the reply starts after it; _header_end)
+    gaps: tuple[str, ...] = ("",)
 
 
 _LAYOUTS: dict[tuple, TurnLayout] = {}  # a cache per (template, vocabulary); the tokenizer is not touched, so
@@ -116,7 +116,13 @@ def _render_probe(tokenizer, messages, **kwargs) -> str | None:
 def turn_layout(tokenizer) -> TurnLayout:
     key = (tokenizer.chat_template, len(tokenizer), tokenizer.bos_token, tokenizer.eos_token)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _learn_layout(tokenizer)
+        try:
+            _LAYOUTS[key] = _learn_layout(tokenizer)
+        except Exception as exc:  # a template shape the probes do not cover: one line, not a traceback
+            raise DataError(f"the chat template of {tokenizer.name_or_path} could not be read for assistant-only "
+                            f"masking ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                            "add {% generation %} markers around the assistant's replies in the model's chat template "
+                            "(chat_template.jinja or tokenizer_config.json; docs/data.md#chat-templates)") from None
     return _LAYOUTS[key]
 
 
@@ -142,16 +148,23 @@ def _learn_layout(tokenizer) -> TurnLayout:
     matched = next((n for n in range(len(wanted), 0, -1) if _header_regex(wanted[:n]).search(glue)), 0)
     if matched:
         header, openers = wanted[:matched], wanted[matched:]
-        spaced = tuple(generation[_header_regex(wanted[:n]).match(generation).end():][:1].isspace()
-                       for n in range(matched, len(wanted) + 1))
-    else:  # header-less ([INST] ... [/INST] answer): the reply follows what closes the user's turn
-        header, openers, spaced = _pieces(glue, markup), (), (False,)
+        # search, not match: a template without whitespace control may start the prompt with blank lines
+        gaps = tuple(_leading_space(generation[_header_regex(wanted[:n]).search(generation).end():])
+                     for n in range(matched, len(wanted) + 1))
+    else:  # header-less ([INST] ... [/INST] answer): the reply follows what closes the user's turn, and the
+        # whitespace the prompt ends with (a newline after `[/INST]` where the template writes one)
+        prompt_end = prompt or history or ""
+        header, openers, gaps = _pieces(glue, markup), (), (prompt_end[len(prompt_end.rstrip()):],)
     closing = ""
     if header and (found := _header_regex(header).search(glue)):
         closing = _strip_markup(glue[:found.start()], markup)
     bos = tokenizer.bos_token
     ends = [m.group(0) for m in markup.finditer(after) if m.group(0) != bos] if markup else []
-    return TurnLayout(header, openers, closing, ends[0] if ends else None, markup, spaced)
+    return TurnLayout(header, openers, closing, ends[0] if ends else None, markup, gaps)
+
+
+def _leading_space(text: str) -> str:
+    return text[:len(text) - len(text.lstrip())]
 
 
 def _refuse(k: int, what: str) -> DataError:
@@ -185,7 +198,13 @@ def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
         if not opener:
             break
         end, consumed = opener.end(), consumed + 1
-    return len(text) - len(text[end:].lstrip()) if layout.spaced[consumed] else end
+    # the prompt's whitespace there, as far as the rendering has it (none where the history leaves out an opener
+    # the prompt has: R1's `<think>`); further whitespace up to the last line break is layout too (a history
+    # written on more lines than the prompt), spaces after it the reply's own (Llama-2's " answer")
+    gap = layout.gaps[consumed] if consumed == len(layout.openers) else ""
+    end += len(os.path.commonprefix([gap, text[end:end + len(gap)]]))
+    more = _leading_space(text[end:])
+    return end + max(more.rfind("\n"), more.rfind("\r")) + 1
 
 
 def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[int, int]]:
@@ -216,6 +235,8 @@ def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[in
             if at < 0:
                 raise _refuse(k, "neither its header nor its content is found")
             start = cursor + len(text[cursor:at].rstrip())
+            more = text[start:at]  # of that whitespace, line breaks are layout (as after a header)
+            start += max(more.rfind("\n"), more.rfind("\r")) + 1
         at = text.find(content, start) if content else -1
         if at >= 0 and layout.end and layout.end in text[start:at]:
             at = -1  # that occurrence belongs to a later turn: the template rewrote this reply
