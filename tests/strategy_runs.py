@@ -38,7 +38,10 @@ SAMPLED = {"zero3": {"samples": 1}}
 # the one run that scores its checkpoints with lm-eval while training (evaluation: section; test_evaluation reads
 # the numbers, test_strategies proves that the run still equals one process: the scoring leaves training alone)
 EVAL_TASK, EVAL_LIMIT = "disttrain_tiny_choice", 10
-EVALUATED = {("zero3", False): {"tasks": [EVAL_TASK], "every_steps": CHECKPOINT_EVERY, "limit": EVAL_LIMIT}}
+# ZeRO-3's reader uses no collectives; FSDP2's DCP reader planned collectively on the default group and hung the
+# run (the main process reads while the others wait): scored under both
+EVALUATED = {(strategy, False): {"tasks": [EVAL_TASK], "every_steps": CHECKPOINT_EVERY, "limit": EVAL_LIMIT}
+             for strategy in ("zero3", "fsdp")}
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,11 @@ def strategy_run(runs, model_dir: Path, strategy: str, lora: bool) -> Run:
     """The uninterrupted run of `strategy` ("single_gpu": the one-process reference), launched once."""
     def make(folder: Path) -> Run:
         processes = 1 if strategy == "single_gpu" else 2
+        scored = EVALUATED.get((strategy, lora), {})
         recipe = matrix_recipe(folder, model_dir, small_data(runs), "run", processes, lora,
-                               logging=SAMPLED.get(strategy, {}), evaluation=EVALUATED.get((strategy, lora), {}))
+                               logging=SAMPLED.get(strategy, {}), evaluation=scored,
+                               # a scoring that hangs the other ranks fails in minutes, not at the 30-min default
+                               distributed={"timeout_s": 300} if scored else {})
         proc = launch(strategy, recipe, nproc=processes)
         assert_ok(proc)
         return Run(folder / "run", proc.stdout)

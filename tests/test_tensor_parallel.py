@@ -72,6 +72,27 @@ def test_lora_under_tensor_parallelism_trains_like_one_process_and_resumes_exact
 
 
 @pytest.mark.launch
+def test_random_draws_are_the_same_across_a_tensor_parallel_group(runs, tiny_model_dir, tmp_path):
+    """LoRA dropout 0.3 and NEFTune under tp.yaml, with lm-eval scoring the step-5 checkpoint while training.
+    The processes of a TP group run one batch, so they must draw one random stream: with a stream per process
+    (the seed was run seed + process index) peft's lora_A on the column-split q_proj/v_proj, held whole by every
+    rank and never all-reduced, took each rank's own dropout mask and drifted apart, which the replica check
+    (every step here; it now compares the unsplit parameters under TP) stops as a ReplicaMismatch. The scoring
+    reads the DCP checkpoint on the main process alone while the other rank waits (it hung before)."""
+    rows = str(small_data(runs))
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, {"path": rows, "format": "alpaca", "max_seq_len": 48}, "run",
+                           processes=1, lora={"dropout": 0.3}, training={"neftune_alpha": 5.0},
+                           evaluation={"tasks": ["disttrain_tiny_choice"], "every_steps": 5, "limit": 5},
+                           distributed={"timeout_s": 300})
+    stdout = make_train("train-tp", recipe, "GPUS=2")
+    assert "mesh=tp=2" in stdout
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "lm_eval/disttrain_tiny_choice/acc" in r] == [5, 10]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 10 and all(0 < loss < 10 for loss in losses)
+
+
+@pytest.mark.launch
 def test_tensor_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, tmp_path):
     out, _ = tp_run(runs, tiny_model_dir)
     assert (out / "checkpoints" / "step-00000005" / "tp_state" / ".metadata").is_file()  # DCP shards

@@ -181,19 +181,22 @@ def hold_until_exit(*objects) -> None:
 
 
 # ----------------------------------------------------------------------------- replica consistency
-def holds_full_weights(model) -> bool:
-    """False when this rank holds shards or meta tensors (FSDP, ZeRO-3): nothing to compare then."""
+def replicated_parameters(model) -> list[torch.Tensor]:
+    """The parameters every rank holds whole, which must stay bit-identical across ranks: all of them under DDP
+    and ZeRO-1/2; under tensor parallelism the ones transformers leaves unsplit (plain tensors: peft's lora_A on
+    column-split layers, which nothing all-reduces, so one rank's own dropout mask would make them drift); none
+    under FSDP and ZeRO-3 (shards, meta tensors)."""
     from torch.distributed.tensor import DTensor
 
-    return not any(p.is_meta or hasattr(p, "ds_id") or isinstance(p, DTensor) or isinstance(p.data, DTensor)
-                   for p in model.parameters())
+    return [p for p in model.parameters()
+            if not (p.is_meta or hasattr(p, "ds_id") or isinstance(p, DTensor) or isinstance(p.data, DTensor))]
 
 
-def parameter_checksum(model, device) -> torch.Tensor:
-    """[sum, sum of squares, numel] over all parameters in float64, chunked so that a large embedding is
+def parameter_checksum(parameters, device) -> torch.Tensor:
+    """[sum, sum of squares, numel] over `parameters` in float64, chunked so that a large embedding is
     never copied whole. Bit-identical replicas give bit-identical checksums."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for p in model.parameters():
+    for p in parameters:
         for chunk in p.detach().reshape(-1).split(1 << 24):
             chunk = chunk.to(device)
             sums[0] += chunk.sum(dtype=torch.float64)
@@ -203,13 +206,14 @@ def parameter_checksum(model, device) -> torch.Tensor:
 
 
 def compare_replicas(accelerator, model) -> list[int] | None:
-    """Ranks whose weights differ from rank 0's; None when weights are not replicated (nothing compared)."""
+    """Ranks whose replicated weights differ from rank 0's; None when no weight is replicated (nothing compared)."""
     if accelerator.num_processes == 1:
         return None
-    full = torch.tensor([float(holds_full_weights(model))], device=accelerator.device)
-    if not bool((accelerator.gather(full) == 1).all()):  # cheap: no rank sums weights it cannot compare
+    replicated = replicated_parameters(model)
+    any_replicated = torch.tensor([float(bool(replicated))], device=accelerator.device)
+    if not bool((accelerator.gather(any_replicated) == 1).all()):  # cheap: no rank sums what it cannot compare
         return None
-    per_rank = accelerator.gather(parameter_checksum(model, accelerator.device).unsqueeze(0)).reshape(-1, 3).cpu()
+    per_rank = accelerator.gather(parameter_checksum(replicated, accelerator.device).unsqueeze(0)).reshape(-1, 3).cpu()
     return [rank for rank in range(per_rank.shape[0])
             if not torch.allclose(per_rank[rank], per_rank[0], rtol=1e-12, atol=0.0)]
 
@@ -227,7 +231,7 @@ def check_initial_replicas(accelerator, model) -> None:
 
 
 def check_replicas(accelerator, model, step: int, last_checkpoint=None) -> None:
-    """While weights are replicated (DDP, ZeRO-1/2) they must stay bit-identical across ranks."""
+    """Replicated weights (DDP, ZeRO-1/2, the unsplit ones under TP) must stay bit-identical across ranks."""
     at("comparing parameter checksums across ranks", step)
     differing = compare_replicas(accelerator, model)
     if differing:

@@ -71,6 +71,15 @@ class ParallelPlan:
     def data_ranks(self, accelerator) -> int:
         return accelerator.num_processes // self.group
 
+    def random_stream(self, accelerator) -> int:
+        """Which random stream this process draws from while training (dropout, LoRA dropout, NEFTune's noise):
+        the processes of a tensor-parallel group run the same batch on the same activations, so they draw the
+        same stream (different masks would make the adapters they hold whole drift apart, and NEFTune add
+        different noise to an all-reduced embedding); every other process holds other tokens (data ranks,
+        Ulysses' and the ring's slices of a sequence) and draws its own, as one process draws independently
+        for every position."""
+        return accelerator.process_index // self.tp
+
     def sequence_slice(self, accelerator) -> tuple[int, int] | None:
         """Ulysses: (which slice, of how many) of every training sequence the loader gives this process; None:
         all of it."""
