@@ -95,7 +95,7 @@ def main(argv=None):
     model, optimizer, scheduler = feed.prepare(accelerator, collator, model, optimizer, scheduler)
     guards.hold_until_exit(accelerator, model, optimizer)  # freed at os._exit, not before: guards says why
     eval_loaders = {name: plan.eval_loader(accelerator, loader) for name, loader in eval_loaders.items()}
-    loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator)  # NEFTune, if the recipe asks
+    loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator, plan.sp * plan.cp)  # NEFTune, if asked
     set_seed(cfg.seed + plan.random_stream(accelerator))  # dropout differs per data rank (a TP group: the same)
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
     flops_meter, peak = meter_for(accelerator, recipe, model)

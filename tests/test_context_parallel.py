@@ -56,6 +56,43 @@ def test_context_parallelism_resumes_exactly_on_its_mesh(runs, tiny_model_dir, t
     assert_resumes_on_its_mesh(runs, tiny_model_dir, out, "fsdp_cp", tmp_path, env=RING_ON_CPU)
 
 
+@pytest.mark.launch
+def test_context_parallelism_without_a_gpu_is_refused_in_one_line_before_the_process_group(tmp_path):
+    """`make train-fsdp-cp` on a CPU without the test-only ring kernel (what a user gets): one line, exit 1, no
+    traceback (it was torch's NotImplementedError from inside the ring's first forward)."""
+    import os
+    import subprocess
+
+    from conftest import base_recipe, write_recipe
+    from disttrain.runtime.launcher import free_port
+
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(REPO / "artifacts/tiny-llama", tmp_path / "out",
+                                                           training={"max_steps": 2}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(["make", "-s", "train-fsdp-cp", "GPUS=2", "CP=2", f"MASTER_PORT={free_port()}",
+                           f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "fsdp_cp.yaml (context parallelism) needs CUDA GPUs" in errors[0], proc.stderr[-2000:]
+    # the workers' output: no traceback of theirs (torchrun's agent prints its own ChildFailedError after them)
+    assert 'File "' + str(REPO / "train.py") not in proc.stderr and "NotImplementedError" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_the_ring_kernel_check_passes_with_the_cpu_mapping_or_a_gpu(monkeypatch):
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    from disttrain.recipe.compat import check_ring_kernel
+
+    check_ring_kernel(2, gpu=True)
+    check_ring_kernel(1, gpu=False)
+    with pytest.raises(DisttrainError, match="needs CUDA GPUs"):
+        check_ring_kernel(2, gpu=False)
+    monkeypatch.setitem(ring.custom_ops, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    check_ring_kernel(2, gpu=False)
+
+
 ROWS = [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9]},
         {"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]}]
 

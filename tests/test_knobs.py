@@ -59,6 +59,30 @@ def test_neftune_adds_noise_only_in_training(tiny_model_dir):
         load_recipe(REPO / "recipes/tiny/sft.yaml", ["training.neftune_alpha=0"])
 
 
+@pytest.mark.parametrize("parts", [2, 8])
+def test_neftune_on_a_slice_of_the_sequence_draws_the_whole_sequences_noise(tiny_model_dir, parts):
+    """Under Ulysses (sp) or context parallelism (cp) each process embeds 1/parts of every sequence; the noise must
+    be what one process draws for the whole sequence, alpha / sqrt(length x hidden), not sqrt(parts) times it
+    (2.8x at the 64k recipe's cp=8). Uniform noise: every draw within the bound, the largest of >= 8,000 within 1% of it."""
+    from disttrain.model.loading import add_embedding_noise
+
+    def largest_noise(ids, sequence_parts):
+        model = tiny(tiny_model_dir)
+        clean = model.get_input_embeddings()(ids)
+        add_embedding_noise(model, 5.0, None, sequence_parts)
+        model.train()
+        return (model.get_input_embeddings()(ids) - clean).abs().max().item()
+
+    length = 64
+    whole = (torch.arange(16 * length).reshape(16, length) * 7) % 300 + 5  # 16 rows: >= 8,000 draws a slice
+    hidden = tiny(tiny_model_dir).config.hidden_size
+    bound = 5.0 / (length * hidden) ** 0.5  # one process, the whole sequence
+    one_process = largest_noise(whole, 1)
+    on_a_slice = largest_noise(whole[:, :length // parts], parts)
+    assert 0.99 * bound < one_process <= bound + 1e-6
+    assert 0.99 * bound < on_a_slice <= bound + 1e-6  # before: sqrt(parts) x bound
+
+
 @pytest.mark.launch
 def test_dora_rslora_neftune_and_mlflow_under_fsdp(tmp_path, tiny_model_dir):
     """One FSDP2 launch: DoRA + rsLoRA adapters and NEFTune train and export; logging.report_to=[mlflow] goes

@@ -120,13 +120,16 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
     return model
 
 
-def add_embedding_noise(model, alpha: float | None, accelerator) -> None:
+def add_embedding_noise(model, alpha: float | None, accelerator, sequence_parts: int = 1) -> None:
     """NEFTune (training.neftune_alpha): uniform noise on the input embeddings while training, through
-    transformers' own hook; evaluation and generation see clean embeddings."""
+    transformers' own hook; evaluation and generation see clean embeddings. The hook scales the noise by
+    1/sqrt(the length it sees x hidden): where each process embeds 1/`sequence_parts` of every sequence (Ulysses,
+    context parallelism) alpha is divided by sqrt(sequence_parts), so the noise is the whole sequence's, as one
+    process draws it (not sqrt(parts) times larger)."""
     if alpha:
         from transformers.integrations.neftune import activate_neftune
 
-        activate_neftune(model, alpha, accelerator)
+        activate_neftune(model, alpha / sequence_parts ** 0.5, accelerator)
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -145,6 +145,22 @@ def check_sequence_parallel(recipe: Recipe, sp: int, cp: int = 1) -> None:
                              f"use sdpa, or set {ALLOW_UNVERIFIED}=1 to try it")
 
 
+def check_ring_kernel(cp: int, gpu: bool) -> None:
+    """torch's ring attention maps only its CUDA attention kernels to their ring versions; on a CPU, sdpa's CPU
+    kernel is unknown to it and the first forward ends in a NotImplementedError deep in torch, unless the
+    project's test-only CPU mapping (tests/cpu_ring, which preflight and bench-long put on PYTHONPATH) is loaded."""
+    if cp == 1 or gpu:
+        return
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in ring.custom_ops:
+        raise DisttrainError("accelerate_configs/fsdp_cp.yaml (context parallelism) needs CUDA GPUs: torch's ring "
+                             "attention runs only its CUDA attention kernels; on this machine train with fsdp.yaml, "
+                             "or try the mesh with `make preflight STRATEGY=fsdp_cp` (it loads the project's "
+                             "test-only CPU kernel mapping, tests/cpu_ring)")
+
+
 def check_sequence_model(config, sp: int, cp: int) -> None:
     """What only the model's config says (checked once it is loaded, before accelerate wraps it): both meshes
     attend with full causal attention only (no mask travels with the slices), and the router's load-balancing
@@ -237,6 +253,7 @@ def check_before_launch(recipe: Recipe, strategy: str, gpu: bool, sp: int = 1, c
 
     check(recipe, strategy, gpu)
     check_sequence_parallel(recipe, sp, cp)
+    check_ring_kernel(cp, gpu)
     check_tensor_parallel(recipe, tp, tp_data[0] * tp_data[1])
     check_trackers(recipe.logging.report_to)
     hub.check_token(recipe.output.push_to_hub)  # before training, not after it
