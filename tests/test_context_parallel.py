@@ -20,6 +20,7 @@ from disttrain.runtime.launcher import cpu_ring_env
 from disttrain.runtime.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
 from strategy_runs import make_train, strategy_run
+from test_tensor_parallel import tp_run
 
 MESH = "dp_shard=1,cp=2"
 RING_ON_CPU = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"}
@@ -30,8 +31,10 @@ def cp_run(runs, tiny_model_dir, lora: bool):
     accumulation 2): the group of two processes reads what one process reads."""
     def make(folder):
         # the full run also generates its end-of-run sample (outside the context, every rank in step)
-        recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", processes=1, lora=lora,
-                               logging={"samples": 0 if lora else 1})
+        rows = str(small_data(runs))  # evaluated every 5 steps on its own 35 rows, as tp_run's reference is
+        recipe = matrix_recipe(folder, tiny_model_dir, {"path": rows, "format": "alpaca", "eval_path": rows,
+                                                        "max_seq_len": 48}, "run", processes=1, lora=lora,
+                               training={"eval_every": 5}, logging={"samples": 0 if lora else 1})
         return folder / "run", make_train("train-fsdp-cp", recipe, "GPUS=2", "CP=2", env=RING_ON_CPU)
     return runs.get(f"context-parallel-{'lora' if lora else 'full'}", make)
 
@@ -48,6 +51,10 @@ def test_context_parallelism_trains_like_one_process(lora, runs, tiny_model_dir)
     ref = strategy_run(runs, tiny_model_dir, "single_gpu", lora).out
     assert {r["loss_rank_spread"] for r in read_metrics(out) if "loss" in r} == {0.0}  # one data rank
     assert_trains_like_one_process(out, ref, lora)
+    # 35 eval rows (odd: the last batch is padded) each counted once, as one process counts them
+    evaluated = tp_run(runs, tiny_model_dir, config="single_gpu", lora=lora)[0]
+    evals = [[r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r] for run in (out, evaluated)]
+    assert len(evals[0]) == 2 and evals[0] == pytest.approx(evals[1], rel=1e-5)
 
 
 @pytest.mark.launch

@@ -91,7 +91,16 @@ class ParallelPlan:
 
     def eval_loader(self, accelerator, loader):
         """An eval set's loader: split by process, or under tensor parallelism whole on every process (the
-        processes of the tensor-parallel group run the same batches together)."""
+        processes of the tensor-parallel group run the same batches together). Under context parallelism the
+        eval forward runs outside the ring's context on whole rows, so the rows are split over every process, not
+        by data rank as accelerate's prepare splits them (the cp processes of a group then held the same rows,
+        and gather_for_metrics, which truncates the last batch as if rows were split by process, counted some
+        twice and dropped others)."""
+        if self.cp > 1:
+            from accelerate.data_loader import prepare_data_loader
+
+            return prepare_data_loader(loader, accelerator.device, num_processes=accelerator.num_processes,
+                                       process_index=accelerator.process_index, put_on_device=True)
         if self.tp == 1:
             return accelerator.prepare(loader)
         from disttrain.runtime.backends import ReplicatedLoader
