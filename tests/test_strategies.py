@@ -62,3 +62,24 @@ def test_resume_from_a_mid_run_checkpoint_matches_uninterrupted(strategy, lora, 
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step {CHECKPOINT_EVERY}/{STEPS}" in proc.stdout
     assert_same_run(run.out, tmp_path / "resumed", lora, first_step=CHECKPOINT_EVERY + 1)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_zero_with_bf16_exports_the_fp32_masters_its_checkpoints_hold(strategy, runs, tiny_model_dir, tmp_path):
+    """model.dtype float32 + bf16 under ZeRO: DeepSpeed trains a bf16 copy of the module and keeps fp32 masters
+    in the optimizer. final/ must hold what the checkpoint readers (`make eval` / `make export` of the last
+    checkpoint, DeepSpeed's zero_to_fp32) return, the fp32 masters, in a config that loads as float32 (it held
+    the bf16-rounded weights: a run and its last checkpoint scored different models)."""
+    from safetensors.torch import load_file
+
+    from strategy_runs import assert_exports_from_its_last_checkpoint
+
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "bf16", training={"mixed_precision": "bf16"},
+                           output={"checkpoint_every": STEPS})
+    assert_ok(launch(strategy, recipe))
+    final = load_file(tmp_path / "bf16" / "final" / "model.safetensors")
+    assert {value.dtype for value in final.values()} == {torch.float32}
+    rounded = [key for key, value in final.items() if not torch.equal(value, value.bfloat16().float())]
+    assert rounded, "the fp32 masters carry more than bf16's bits"
+    assert json.loads((tmp_path / "bf16" / "final" / "config.json").read_text())["dtype"] == "float32"
+    assert_exports_from_its_last_checkpoint(tmp_path / "bf16", tmp_path)

@@ -8,6 +8,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from disttrain.model.loading import DTYPES, is_peft_model
 from disttrain.recipe.schema import ModelSection
 
@@ -24,6 +26,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
+    state_dict, masters = _zero_fp32_masters(accelerator, model, state_dict, spec)  # collective too
     unwrapped = accelerator.unwrap_model(model)
     gathers = bool(getattr(unwrapped, "_tp_size", None))  # tensor-parallel: save_pretrained gathers the shards
     if accelerator.is_main_process:
@@ -35,6 +38,8 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
                                   is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
+        if masters and (tmp / "config.json").is_file():
+            _record_dtype(tmp / "config.json", spec.dtype)  # save_pretrained wrote the bf16 module's dtype
         if merge_lora and is_peft_model(unwrapped):
             with without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)
@@ -45,6 +50,42 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         os.replace(tmp, out)
     accelerator.wait_for_everyone()
     return out
+
+
+def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection) -> tuple[dict, bool]:
+    """(the state dict to write, whether it holds ZeRO's fp32 masters). Under DeepSpeed with bf16/fp16 the
+    module trains in the low precision and the optimizer keeps fp32 masters of the trained weights; for a recipe
+    whose model.dtype is float32 the export takes those masters (DeepSpeed's own safe_get_full_fp32_param, a
+    collective under ZeRO: every rank calls it, in the same order), as the checkpoint readers (zero_to_fp32,
+    `make eval` / `make export` of a checkpoint) do: the run and its last checkpoint are one model."""
+    if getattr(accelerator.state, "deepspeed_plugin", None) is None or spec.dtype != "float32":
+        return state_dict, False
+    unwrapped = accelerator.unwrap_model(model)
+    if all(p.dtype == torch.float32 for p in unwrapped.parameters()):
+        return state_dict, False  # trained in fp32: the module's weights are the masters
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    for name, param in unwrapped.named_parameters(remove_duplicate=False):  # tied weights: one master, two names
+        names.setdefault(id(param), (param, []))[1].append(name)
+    out = dict(state_dict) if state_dict is not None else None  # ZeRO-3 gathers to the main process only
+    for param, aliases in names.values():
+        if not param.requires_grad:
+            continue  # frozen (a LoRA base): no master, and not exported as trained
+        full = safe_get_full_fp32_param(param)
+        if full is not None and out is not None and accelerator.is_main_process:
+            for name in aliases:
+                if name in out:
+                    out[name] = full.detach().to("cpu", torch.float32).reshape(out[name].shape).clone()
+    return out, True
+
+
+def _record_dtype(config_file: Path, dtype: str) -> None:
+    import json
+
+    config = json.loads(config_file.read_text())
+    config["dtype"] = dtype
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _without_aliases(model, state_dict: dict) -> dict:
