@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, assert_ok, launch
 from disttrain.errors import DisttrainError
 from strategy_runs import CHECKPOINT_EVERY, EVAL_LIMIT, EVAL_TASK, EVALUATED, STEPS, final_weights, strategy_run
 
@@ -241,3 +241,21 @@ def test_scoring_during_training_puts_the_random_generators_back():
     torch.manual_seed(7), random.seed(7), np.random.seed(7)
     lm_eval_seeding()
     assert all(a != b for a, b in zip(draws(), expected))
+
+
+@pytest.mark.launch
+def test_the_other_ranks_outlast_a_scoring_longer_than_the_collective_timeout(tiny_model_dir, tmp_path):
+    """distributed.timeout_s=8 and a scoring that takes 15 s (tests/slow_save delays it on the main process): the
+    other rank waits polling the store, not in a collective, and the run finishes with its scores (it waited in
+    a broadcast and died at the collective timeout)."""
+    from conftest import base_recipe, write_recipe
+    from disttrain.metrics.log import read_metrics
+
+    recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, tmp_path / "out", training={"max_steps": 2}, output={"checkpoint_every": 2},
+        evaluation={"tasks": [EVAL_TASK], "every_steps": 2, "limit": 3}, distributed={"timeout_s": 8}))
+    slow = {"PYTHONPATH": str(REPO / "tests" / "slow_save"), "DISTTRAIN_TEST_SCORE_DELAY_S": "15"}
+    proc = launch("ddp", recipe, env=slow)
+    assert_ok(proc)
+    assert "test: scoring delayed by 15 s" in proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if f"lm_eval/{EVAL_TASK}/acc" in r] == [2]

@@ -10,6 +10,7 @@ model on the main process's device while it is scored (keep the task list cheap,
 
 from __future__ import annotations
 
+import json
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from disttrain.errors import DisttrainError
 from disttrain.evaluation import harness
 
 
@@ -30,12 +32,36 @@ class CheckpointScorer:
         return step % self.section.every_steps == 0
 
     def __call__(self, checkpoint: Path) -> dict[str, float]:
-        """Collective: every rank calls it; all get the main process's numbers."""
-        from accelerate.utils import broadcast_object_list
+        """Every rank calls it; all get the main process's numbers. The others wait outside any collective: they
+        poll the process group's key-value store (torch's default store, which the launch's rendezvous created)
+        for up to evaluation.wait_s, so a scoring longer than distributed.timeout_s (a large model, a full task)
+        does not time out a collective, and a scoring that fails on the main process fails them in one line."""
+        if self.accelerator.num_processes == 1:
+            return self._score(checkpoint)
+        from datetime import timedelta
 
-        scored = [self._score(checkpoint) if self.accelerator.is_main_process else None]
-        broadcast_object_list(scored, from_process=0)
-        return scored[0]
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        key = f"disttrain/scored/{checkpoint.name}"
+        if self.accelerator.is_main_process:
+            try:
+                scored = self._score(checkpoint)
+            except BaseException as exc:
+                store.set(key, json.dumps({"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}))
+                raise
+            store.set(key, json.dumps({"scored": scored}))
+            return scored
+        try:
+            store.wait([key], timedelta(seconds=self.section.wait_s))
+        except Exception:  # torch's DistStoreError on timeout
+            raise DisttrainError(f"scoring {checkpoint} on the main process took longer than evaluation.wait_s="
+                                 f"{self.section.wait_s}; raise it, or set evaluation.limit lower") from None
+        reply = json.loads(store.get(key))
+        if "error" in reply:
+            raise DisttrainError(f"scoring {checkpoint} failed on the main process ({reply['error']}); its own "
+                                 "output has the details")
+        return reply["scored"]
 
     def _score(self, checkpoint: Path) -> dict[str, float]:
         from disttrain.model import from_checkpoint
@@ -80,4 +106,11 @@ def _rng_put_back():
 
 def scorer_for(accelerator, recipe) -> CheckpointScorer | None:
     section = recipe.evaluation
-    return CheckpointScorer(accelerator, section) if section.tasks and section.every_steps else None
+    if not (section.tasks and section.every_steps):
+        return None
+    if section.limit is None:
+        accelerator.print("warning: evaluation.limit is unset: every example of each task is scored on the main "
+                          "process at each scoring, with the model rebuilt there (host memory: the model in "
+                          "model.dtype plus one more copy of its weights while the checkpoint is read; "
+                          "docs/evaluation.md#during-training); set evaluation.limit to keep it cheap")
+    return CheckpointScorer(accelerator, section)

@@ -276,6 +276,9 @@ class EvaluationSection(_Section):
     include: list[str] = Field(default_factory=list, description="Directories of your own task YAMLs")
     chat_template: Literal["auto", "yes", "no"] = "auto"
     batch_size: int | Literal["auto"] = Field(8, description="lm-eval's batch size (auto: it probes the largest)")
+    wait_s: int = Field(21600, ge=1, description="How long the other ranks wait for the main process's scoring: "
+                        "they poll the process group's store, outside any collective, so distributed.timeout_s "
+                        "does not bound a long scoring")
 
 
 class DistributedSection(_Section):
