@@ -4,6 +4,8 @@ DISTTRAIN_TEST_FAULT=
   diverge        rank 1 nudges its weights after every optimizer step: DDP replicas drift apart silently
   seed_per_rank  every rank seeds with seed + rank before building the model (a classic bug): different
                  LoRA initialisations on different ranks
+  self_check     the chunked loss is off by 1: the start-up self-check stops every rank with one line after
+                 the process group exists (an error raised deep inside a distributed run)
 """
 
 import os
@@ -14,7 +16,7 @@ from pathlib import Path
 FAULT = os.environ["DISTTRAIN_TEST_FAULT"]
 RANK = int(os.environ.get("RANK", "0"))
 
-if FAULT not in ("diverge", "seed_per_rank"):
+if FAULT not in ("diverge", "seed_per_rank", "self_check"):
     raise SystemExit(f"unknown DISTTRAIN_TEST_FAULT={FAULT}")
 if FAULT == "diverge" and RANK == 1:
     import torch
@@ -28,6 +30,11 @@ if FAULT == "diverge" and RANK == 1:
         return out
 
     torch.optim.AdamW.step = step_then_nudge
+elif FAULT == "self_check":
+    from disttrain.objectives.token_loss import TokenLoss
+
+    mean_loss = TokenLoss._mean_loss
+    TokenLoss._mean_loss = lambda self, *a, **k: mean_loss(self, *a, **k) + 1.0
 elif FAULT == "seed_per_rank":
     import accelerate.utils
 
