@@ -68,7 +68,7 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
+	test test-fast matrix preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -203,6 +203,9 @@ cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --t
 # 2 cores; an idle one takes tests queued for the other (worksteal). A run several tests read is made once by
 # whichever process asks first (tests/conftest.py, SharedRuns). TEST_JOBS=0: one process.
 TEST_JOBS   ?= 2
+
+matrix: setup ## regenerate docs/compatibility.md from the feature x config declaration (disttrain/recipe/matrix.py)
+	$(PY) -m disttrain.recipe.matrix
 
 test: tiny ## the whole suite, what CI runs: unit tests + multi-process launches on CPU, workers forked warm (TEST_JOBS processes)
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)

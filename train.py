@@ -57,7 +57,7 @@ def main(argv=None):
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
-    compat.check_before_launch(recipe, plan.strategy, has_gpu(), plan.sp, plan.cp, plan.tp, plan.tp_data)
+    compat.check_before_launch(recipe, plan, has_gpu())
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here

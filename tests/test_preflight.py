@@ -122,17 +122,23 @@ def test_moe_recipes_train_like_one_process_across_their_resume(recipe, runs, ti
 
 
 @pytest.mark.parametrize("recipe, strategy", [("qwen3-30b-a3b/lora_sft.yaml", "ddp"),
-                                              ("qwen3-30b-a3b/full_sft.yaml", "zero3")])
+                                              ("qwen3-30b-a3b/full_sft.yaml", "zero3"),
+                                              *[("qwen3-30b-a3b/lora_sft.yaml", config) for config in
+                                                ("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload")]])
 def test_moe_recipes_train_like_one_process_under_the_other_strategies(recipe, strategy, runs, tmp_path,
                                                                         tiny_model_dir):
-    """With the preflights above, every strategy family meets a MoE model, full and LoRA: LoRA under DDP (here),
-    FSDP2 and ZeRO-3 (the Mixtral and Qwen3 LoRA preflights); full under FSDP2 (the Qwen3 full preflight) and
-    ZeRO-3 (here, the experts' fused weights partitioned and gathered). 2 processes, one launch, against the
-    same one-process run."""
+    """With the preflights above, every strategy meets a MoE model (the router loss on, LoRA on the fused experts):
+    LoRA under DDP, FSDP2 + offload, HSDP (2 x 2, each micro-batch one of the single run's), ZeRO-1/2 and ZeRO-3 +
+    offload (here), FSDP2 and ZeRO-3 (the Mixtral and Qwen3 LoRA preflights); full under FSDP2 (the Qwen3 full
+    preflight) and ZeRO-3 (here, the experts' fused weights partitioned and gathered). One launch, against the
+    same one-process run (disttrain/recipe/matrix.py names these cells)."""
     single, work = moe_single_process(runs, recipe, tiny_model_dir)
     spec = load_recipe(str(REPO / "recipes" / recipe))
     overrides, _ = cpu_overrides(spec, work / "model", tmp_path / "run", 4)
-    assert_ok(launch(strategy, REPO / "recipes" / recipe, overrides=[*QUIET, *overrides]))
+    processes = 4 if strategy == "hsdp" else 2
+    if processes == 4:  # the single run's 2 x accumulation micro-batches per step, one per process
+        overrides.append(f"training.grad_accum={min(spec.training.grad_accum, 2) // 2}")
+    assert_ok(launch(strategy, REPO / "recipes" / recipe, nproc=processes, overrides=[*QUIET, *overrides]))
     assert_moe_runs_equal(recipe, tmp_path / "run", single)
 
 

@@ -118,11 +118,12 @@ STEPS, SAVED = 12, 4
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", ["single_gpu", "ddp", "fsdp", "zero3"])
 def test_a_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, tiny_model_dir, shards):
-    """Packed stream over 4 shards, 2 ranks, grad_accum 2, crossing a pass; a new process given the step-4
-    checkpoint reads each rank's saved stream position and repeats the uninterrupted run's losses from step
-    5 on, evaluations included."""
+    """Packed stream over 4 shards, 2 ranks (`make train`: one), grad_accum 2, crossing a pass; a new process given
+    the step-4 checkpoint reads each rank's saved stream position and repeats the uninterrupted run's losses from
+    step 5 on, evaluations included."""
+    processes = 1 if strategy == "single_gpu" else 2
     def recipe(name):
         return write_recipe(tmp_path / f"{name}.yaml", base_recipe(
             tiny_model_dir, tmp_path / name,
@@ -131,10 +132,11 @@ def test_a_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, tiny_mod
             training={"max_steps": STEPS, "micro_batch_size": 2, "eval_every": 4},
             output={"checkpoint_every": SAVED, "keep_last": 3, "save_final_model": False}))
 
-    assert_ok(launch(strategy, recipe("a")))
+    assert_ok(launch(strategy, recipe("a"), nproc=processes))
     saved = tmp_path / "a" / "checkpoints" / f"step-{SAVED:08d}"
-    assert sorted(p.name for p in (saved / checkpoint.DATA_STATE).iterdir()) == ["rank-00000.json", "rank-00001.json"]
-    second = launch(strategy, recipe("b"), overrides=[f"output.resume={saved}"])
+    assert sorted(p.name for p in (saved / checkpoint.DATA_STATE).iterdir()) == [
+        f"rank-{rank:05d}.json" for rank in range(processes)]
+    second = launch(strategy, recipe("b"), nproc=processes, overrides=[f"output.resume={saved}"])
     assert_ok(second)
     assert f"resumed from {saved} at step {SAVED}/{STEPS}" in second.stdout
     a_lines, b_lines = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")

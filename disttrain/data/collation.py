@@ -153,11 +153,12 @@ class SequenceShard:
         positions = torch.arange(length).expand(size, length)
         squares = batch[SQUARES_KEY]  # attention cost: each process computes 1/count of the heads
         share = squares // self.count + (squares % self.count if self.index == 0 else 0)
-        return {"input_ids": batch["input_ids"][:, part],
+        # contiguous: transformers' own loss views shift_labels flat (with 2+ rows a column slice is not)
+        return {"input_ids": batch["input_ids"][:, part].contiguous(),
                 # the unshifted labels of the slice ride along for transformers' own loss, which uses
                 # shift_labels whenever they are given (the plain engine and the start-up self-check)
-                "labels": batch["labels"][:, part],
-                SHIFT_LABELS_KEY: shifted(batch["labels"])[:, part],
+                "labels": batch["labels"][:, part].contiguous(),
+                SHIFT_LABELS_KEY: shifted(batch["labels"])[:, part].contiguous(),
                 "position_ids": positions[:, part].contiguous(),
                 LENGTHS_KEY: mask[:, part].sum(1), SQUARES_KEY: share}
 

@@ -50,10 +50,6 @@ class MapFeed:
         if self.context_slice is not None:
             collator = ContextShard(collator, *self.context_slice)
         loader = make_loader(self.train_set, cfg.micro_batch_size, collator, self.recipe.data.shuffle, True, cfg.seed)
-        from disttrain.recipe.compat import check_sequence_model
-
-        sp, cp = (part[1] if part else 1 for part in (self.sequence_slice, self.context_slice))
-        check_sequence_model(model.config, sp, cp)  # what the model's config says, before accelerate wraps it
         if self.data_ranks == accelerator.num_processes:
             model, optimizer, self.loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
         else:  # the processes of a sequence group share rows: sharded by data rank (under Ulysses accelerate

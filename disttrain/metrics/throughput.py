@@ -17,6 +17,7 @@ import torch
 from disttrain.data import LENGTHS_KEY, SQUARES_KEY
 from disttrain.metrics.flops import ModelShape
 from disttrain.metrics.hardware import ACCELERATORS
+from disttrain.runtime.backends import bare_model
 
 # Tokens of the torch device name (split on spaces, '-', '_') -> hardware table entry. Tokens match exactly,
 # so "L40" is not "L4" and "A10G" (a different, slower part) is not "A10"; variants (more tokens) come first.
@@ -138,7 +139,7 @@ def meter_for(accelerator, recipe, model):
     from disttrain.metrics.flops import shape_from_model
     from disttrain.model.loading import count_parameters
 
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = bare_model(accelerator, model)
     config = getattr(unwrapped, "config", None)
     if hasattr(unwrapped, "get_base_model"):  # peft: the architecture is the base model's
         config = unwrapped.get_base_model().config

@@ -12,6 +12,7 @@ import torch
 
 from disttrain.model.loading import DTYPES, is_peft_model
 from disttrain.recipe.schema import ModelSection
+from disttrain.runtime.backends import bare_model
 
 
 def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSection, merge_lora: bool = False) -> Path:
@@ -27,7 +28,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     tmp = out.with_name(out.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
     state_dict, masters = _zero_fp32_masters(accelerator, model, state_dict, spec)  # collective too
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = bare_model(accelerator, model)
     gathers = bool(getattr(unwrapped, "_tp_size", None))  # tensor-parallel: save_pretrained gathers the shards
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -60,7 +61,7 @@ def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection)
     `make eval` / `make export` of a checkpoint) do: the run and its last checkpoint are one model."""
     if getattr(accelerator.state, "deepspeed_plugin", None) is None or spec.dtype != "float32":
         return state_dict, False
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = bare_model(accelerator, model)
     if all(p.dtype == torch.float32 for p in unwrapped.parameters()):
         return state_dict, False  # trained in fp32: the module's weights are the masters
     from deepspeed.utils import safe_get_full_fp32_param

@@ -84,19 +84,12 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
 
 def _tensor_parallel_kwargs(spec: ModelSection, tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
     """transformers splits the weights by the model's own plan as it loads them, and shards them over the data
-    ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm with lm_head); the
-    model's config is checked first."""
+    ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm with lm_head)."""
     if tp == 1:
         return {}
-    from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
-    from disttrain.recipe.compat import check_tensor_parallel_model
-
-    check_tensor_parallel_model(AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                                           trust_remote_code=spec.trust_remote_code),
-                                tp, tp_data[0] * tp_data[1])
-    replicas, shards = tp_data
+    replicas, shards = tp_data  # the model's config was checked against them before the launch (compat)
     return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto", fsdp_size=shards,
                                                     dp_replicate_size=replicas,
                                                     fsdp_mixed_precision=bf16 and replicas * shards > 1)}
@@ -129,7 +122,10 @@ def add_embedding_noise(model, alpha: float | None, accelerator, sequence_parts:
     if alpha:
         from transformers.integrations.neftune import activate_neftune
 
-        activate_neftune(model, alpha / sequence_parts ** 0.5, accelerator)
+        from disttrain.runtime.backends import bare_model
+
+        # unwrapped here, not by transformers: its unwrap keeps a compiled DDP copy that has no input embeddings
+        activate_neftune(bare_model(accelerator, model) if accelerator else model, alpha / sequence_parts ** 0.5)
 
 
 def count_parameters(model) -> tuple[int, int]:

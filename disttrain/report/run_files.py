@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from disttrain.recipe.schema import Recipe, flat_fields, recipe_to_dict
+from disttrain.runtime.backends import bare_model
 
 FINAL_MODEL_DIR = "final"
 
@@ -112,7 +113,7 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
 
     strategy, mesh = plan.strategy, plan.mesh  # runtime/plan.ParallelPlan
 
-    total, trainable = count_parameters(accelerator.unwrap_model(model))
+    total, trainable = count_parameters(bare_model(accelerator, model))
     t = recipe.training
     data_ranks = plan.data_ranks(accelerator)  # Ulysses: a group of sp processes reads one share of the rows
     global_batch = t.micro_batch_size * t.grad_accum * data_ranks

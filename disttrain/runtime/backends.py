@@ -254,6 +254,14 @@ class ReplicatedLoader:
             yield send_to_device(batch, self.device)
 
 
+def bare_model(accelerator, model):
+    """The model itself, out of its DDP / FSDP / DeepSpeed wrapper and of regional compilation: accelerate's
+    unwrap_model keeps the compiled wrapper by default, and under DDP + training.compile that wrapper is a copy of
+    the DDP module (no config, no save_pretrained, no input embeddings). The blocks are shared with the compiled
+    copy, so hooks and weights are the trained ones."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def shards_weights(accelerator) -> bool:
     """True under FSDP and ZeRO-3, where no rank holds the whole model."""
     from accelerate.utils import DistributedType

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX
+from disttrain.runtime.backends import bare_model
 
 PROMPT_TOKENS_WITHOUT_TARGETS = 16  # a document (continued pretraining): its first tokens are the prompt
 
@@ -36,7 +37,7 @@ def sample_prompts(rows, count: int) -> list[list[int]]:
 @torch.no_grad()
 def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """Greedy completions of every prompt, the same number of forward steps on every rank."""
-    module = accelerator.unwrap_model(model)
+    module = bare_model(accelerator, model)
     # FSDP2: generate() may enter below the root module (peft's generate calls the base model), so the root's
     # own parameters would stay sharded; gather them for the whole generation (the layers gather themselves)
     root = module if _is_fsdp2(module) else None

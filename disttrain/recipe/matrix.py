@@ -1,0 +1,361 @@
+"""The compatibility matrix: every recipe feature that changes a run x every shipped accelerate config.
+
+Each cell is exactly one of:
+- Proven: the named tests train it under that config and compare it with one process (losses per step, eval,
+  exported weights; for stochastic features, replicas identical every step and the losses of one process
+  within the stated tolerance);
+- Refused: disttrain/recipe/compat.py stops it in one line before the model's weights load;
+- NeedsGpu: refused in one line on a machine without a CUDA GPU (bitsandbytes, fp16); on a GPU it runs,
+  not yet verified there (the acceptance item that checks it is named).
+
+This module is the one declaration: docs/compatibility.md is generated from it (`make matrix`), and
+tests/test_matrix.py proves every cell (each Refused cell through the checks train.py runs, each Proven cell's
+tests exist in the suite and run in CI, each feature run launches what its column's cells claim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    """One shipped accelerate config at the mesh the suite launches it on."""
+    config: str  # accelerate_configs/<config>.yaml
+    title: str
+    processes: int
+    data_ranks: int  # processes reading different rows (the rest share a batch: sp, cp, tp groups)
+    strategy: str  # what compat checks see: single, ddp, fsdp, deepspeed
+    sp: int = 1
+    cp: int = 1
+    tp: int = 1
+    tp_data: tuple[int, int] = (1, 1)
+
+
+COLUMNS = (
+    Column("single_gpu", "make train (1 process)", 1, 1, "single"),
+    Column("ddp", "DDP", 2, 2, "ddp"),
+    Column("fsdp", "FSDP2", 2, 2, "fsdp"),
+    Column("fsdp_offload", "FSDP2 + offload", 2, 2, "fsdp"),
+    Column("hsdp", "HSDP (2 x 2)", 4, 4, "fsdp"),
+    Column("zero1", "ZeRO-1", 2, 2, "deepspeed"),
+    Column("zero2", "ZeRO-2", 2, 2, "deepspeed"),
+    Column("zero3", "ZeRO-3", 2, 2, "deepspeed"),
+    Column("zero3_offload", "ZeRO-3 + offload", 2, 2, "deepspeed"),
+    Column("zero3_ulysses", "ZeRO-3 + Ulysses (sp 2)", 2, 1, "deepspeed", sp=2),
+    Column("fsdp_cp", "FSDP2 + CP (cp 2)", 2, 1, "fsdp", cp=2),
+    Column("tp", "TP (tp 2)", 2, 1, "ddp", tp=2),
+    Column("fsdp_tp", "FSDP2 + TP (2 x tp 2)", 4, 2, "ddp", tp=2, tp_data=(1, 2)),
+)
+CONFIGS = tuple(c.config for c in COLUMNS)
+
+
+@dataclass(frozen=True)
+class Feature:
+    key: str
+    title: str
+    overrides: tuple[str, ...]  # recipe overrides that turn it on (over recipes/tiny/sft.yaml)
+    moe: bool = False  # needs a mixture-of-experts model (its refusals read the model's config)
+
+
+@dataclass(frozen=True)
+class Proven:
+    tests: tuple[str, ...]  # pytest node ids (tests/...::name[id]); "run:<kind>" = tests/test_matrix.py's feature run
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    says: str  # a part of the one-line error
+    on_gpu: bool = False  # the refusal is the one a GPU machine gets (on a CPU the GPU-only one comes first)
+
+
+@dataclass(frozen=True)
+class NeedsGpu:
+    acceptance: str | None  # scripts/gpu/acceptance.py item that verifies it on a GPU (None: none yet)
+
+
+Cell = Proven | Refused | NeedsGpu
+
+# The feature runs of tests/test_matrix.py: one launch per config with every feature of the kind that the
+# config's column marks "run:<kind>", against one process on the same recipe (`exact`: to the strategy matrix's
+# tolerances; `noise`: stochastic, replicas identical every step and losses within NOISE_TOLERANCE).
+RUN_KINDS = ("adapters", "full", "noise", "preference")
+NOISE_TOLERANCE = 0.05
+
+FEATURES = (
+    Feature("full", "full fine-tuning", ()),
+    Feature("lora", "LoRA (dropout 0)", ("lora.r=8", "lora.dropout=0")),
+    Feature("lora_dropout", "LoRA, dropout > 0 (stochastic)", ("lora.r=8", "lora.dropout=0.1")),
+    Feature("dora", "DoRA", ("lora.r=8", "lora.dropout=0", "lora.use_dora=true")),
+    Feature("rslora", "rsLoRA", ("lora.r=8", "lora.dropout=0", "lora.use_rslora=true")),
+    Feature("expert_lora", "LoRA on fused experts (target_parameters)",
+            ("lora.r=8", "lora.dropout=0", "lora.target_modules=[q_proj]",
+             "lora.target_parameters=[mlp.experts.gate_up_proj]"), moe=True),
+    Feature("qlora", "QLoRA (4-bit base)", ("lora.r=8", "model.quantization=4bit")),
+    Feature("neftune", "NEFTune (stochastic)", ("training.neftune_alpha=5",)),
+    Feature("packing", "packing", ("data.packing=true",)),
+    Feature("concat_chunk", "concat-and-chunk (text)",
+            ("data.path=data/tiny_text.jsonl", "data.format=text", "data.eval_path=null", "data.concat_and_chunk=true")),
+    Feature("chunk_isolation", "chunk isolation (text)",
+            ("data.path=data/tiny_text.jsonl", "data.format=text", "data.eval_path=null", "data.concat_and_chunk=true",
+             "data.chunk_isolate_documents=true")),
+    Feature("streaming", "streaming", ("data.streaming=true", "training.max_steps=4")),
+    Feature("mixture", "mixtures (data.sources)",
+            ("data.path=null", "data.format=null", "data.eval_path=null",
+             "data.sources=[{path: data/tiny_alpaca.jsonl, format: alpaca, weight: 2}, "
+             "{path: data/tiny_chat.jsonl, format: chat, eval_fraction: 0.1}]")),
+    Feature("dpo", "DPO (sigmoid; full: precomputed reference, LoRA: adapters off)",
+            ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
+             "data.eval_path=null", "training.max_steps=2")),
+    Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo",
+            ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
+             "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),
+    Feature("scoring", "evaluation during training (lm-eval)",
+            ("output.checkpoint_every=2", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=2",
+             "evaluation.limit=5")),
+    Feature("samples", "end-of-run samples", ("logging.samples=1",)),
+    Feature("compile", "training.compile (regional)", ("training.compile=true",)),
+    Feature("grad_ckpt", "gradient checkpointing", ("model.gradient_checkpointing=true",)),
+    Feature("router_loss", "MoE router loss", ("model.router_aux_loss_coef=0.01",), moe=True),
+    Feature("loss_plain", "loss_impl: plain", ("training.loss_impl=plain",)),
+    Feature("loss_trl", "loss_impl: trl (TRL's fused head)", ("training.loss_impl=trl",)),
+    Feature("bf16", "bf16 mixed precision", ("training.mixed_precision=bf16",)),
+    Feature("fp16", "fp16 mixed precision", ("training.mixed_precision=fp16",)),
+    Feature("eval_sets", "eval sets (eval_path, eval_every)", ("training.eval_every=2",)),
+    Feature("adamw_8bit", "8-bit AdamW (bitsandbytes)", ("training.optimizer=adamw_8bit",)),
+    Feature("offload_activations", "offload_activations", ("training.offload_activations=true",)),
+)
+FEATURE = {f.key: f for f in FEATURES}
+
+# ----------------------------------------------------------------------------------------------- the cells
+S = "tests/test_strategies.py::test_strategy_matches_single_process"
+PF = "tests/test_preflight.py"
+TPT = "tests/test_tensor_parallel.py"
+FTP = "tests/test_fsdp_tp.py"
+ULY = "tests/test_ulysses.py"
+CPT = "tests/test_context_parallel.py"
+PREF = "tests/test_preference_launch.py"
+MOE_OTHER = f"{PF}::test_moe_recipes_train_like_one_process_under_the_other_strategies"
+MOE_RESUME = f"{PF}::test_moe_recipes_train_like_one_process_across_their_resume"
+
+ZERO = ("zero1", "zero2", "zero3", "zero3_offload")
+FSDP_FAMILY = ("fsdp", "fsdp_offload", "hsdp")
+DATA_PARALLEL = ("ddp", *FSDP_FAMILY, *ZERO)  # every process a data rank
+SEQUENCE = ("zero3_ulysses", "fsdp_cp")
+TENSOR = ("tp", "fsdp_tp")
+
+
+def _run(kind: str, note: str = "") -> Proven:
+    return Proven((f"run:{kind}",), note)
+
+
+def _each(configs, cell_for) -> dict[str, Cell]:
+    return {config: cell_for(config) for config in configs}
+
+
+ULYSSES_OR_CP = "is not supported under accelerate_configs/"
+# The preference runs take the losses in turn (pairwise coverage: each loss under some config, every config under
+# some loss; each loss equals TRL's in tests/test_preference.py); HSDP's is the sigmoid loss its "dpo" cell claims.
+PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_offload": "simpo", "hsdp": "sigmoid",
+                   "zero1": "orpo", "zero2": "ipo", "zero3": "hinge", "zero3_offload": "simpo"}
+TP_REFUSAL = "is not supported under tensor parallelism"
+SINGLE_REFERENCE = "the one-process reference of every comparison"
+
+CELLS: dict[str, dict[str, Cell]] = {
+    "full": {
+        "single_gpu": Proven(("tests/test_real_launcher.py::test_the_real_launcher_trains_as_the_warm_one[single_gpu]",),
+                             SINGLE_REFERENCE),
+        **_each(("ddp", "fsdp", "fsdp_offload", *ZERO), lambda c: Proven((f"{S}[{c}-full]",))),
+        "hsdp": Proven(("tests/test_hsdp.py::test_hsdp_trains_like_one_process_on_a_two_dimensional_mesh",)),
+        "zero3_ulysses": Proven((f"{ULY}::test_ulysses_trains_like_one_process[full]",)),
+        "fsdp_cp": Proven((f"{CPT}::test_context_parallelism_trains_like_one_process[full]",)),
+        "tp": Proven((f"{TPT}::test_tensor_parallelism_trains_like_one_process[chunked]",)),
+        "fsdp_tp": Proven((f"{FTP}::test_fsdp2_with_tensor_parallelism_trains_like_one_process",)),
+    },
+    "lora": {
+        **_each(CONFIGS, lambda c: _run("adapters")),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+    },
+    "lora_dropout": {
+        **_each(CONFIGS, lambda c: _run("noise")),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+    },
+    "dora": {
+        **_each(CONFIGS, lambda c: _run("adapters")),
+        "tp": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save"),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+    },
+    "rslora": {
+        **_each(CONFIGS, lambda c: _run("adapters")),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+    },
+    "expert_lora": {
+        "single_gpu": Proven((f"{MOE_RESUME}[qwen3-30b-a3b/lora_sft.yaml]",), SINGLE_REFERENCE),
+        "ddp": Proven((f"{MOE_OTHER}[qwen3-30b-a3b/lora_sft.yaml-ddp]",)),
+        "fsdp": Proven((f"{MOE_RESUME}[mixtral-8x7b/lora_sft.yaml]",)),
+        "zero3": Proven((f"{MOE_RESUME}[qwen3-30b-a3b/lora_sft.yaml]",)),
+        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
+                lambda c: Proven((f"{MOE_OTHER}[qwen3-30b-a3b/lora_sft.yaml-{c}]",))),
+        # the shipped MoE recipes turn the router loss on, which the sequence meshes refuse; without it the
+        # fused experts under them are not proven
+        **_each(SEQUENCE, lambda c: Refused("lora.target_parameters (LoRA on fused experts) is not supported under")),
+        "tp": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save"),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+    },
+    "qlora": {
+        **_each(("single_gpu", "ddp", *ZERO, "zero3_ulysses"), lambda c: NeedsGpu("qlora_ddp" if c in ("single_gpu", "ddp") else None)),
+        **_each((*FSDP_FAMILY, "fsdp_cp"), lambda c: Refused("under FSDP2 is unverified on GPU", on_gpu=True)),
+        "tp": Refused("model.quantization (QLoRA's 4-bit weights", on_gpu=True),
+        "fsdp_tp": Refused("a lora section under FSDP2 + TP", on_gpu=True),
+    },
+    "neftune": _each(CONFIGS, lambda c: _run("noise")),
+    "packing": {
+        **_each(CONFIGS, lambda c: _run("adapters")),
+        **_each(SEQUENCE, lambda c: Refused("data.packing=true " + ULYSSES_OR_CP)),
+    },
+    "concat_chunk": _each(CONFIGS, lambda c: _run("full")),
+    "chunk_isolation": {
+        **_each(CONFIGS, lambda c: _run("full")),
+        **_each(SEQUENCE, lambda c: Refused("data.chunk_isolate_documents=true " + ULYSSES_OR_CP)),
+    },
+    "streaming": {
+        **_each(CONFIGS, lambda c: Refused("data.streaming=true is not proven under")),
+        **_each(("single_gpu", "ddp", "fsdp", "zero3"),
+                lambda c: Proven((f"tests/test_streaming.py::test_a_streaming_run_resumes_like_uninterrupted[{c}]",),
+                                 "exact resume from the saved stream position; not compared with one process: each "
+                                 "rank streams its own shards (every record once a pass), so the row order is "
+                                 "another by design")),
+        **_each(SEQUENCE, lambda c: Refused("data.streaming=true is not supported under accelerate_configs/")),
+        **_each(TENSOR, lambda c: Refused("data.streaming=true " + TP_REFUSAL)),
+    },
+    "mixture": _each(CONFIGS, lambda c: _run("adapters")),
+    "dpo": {
+        "single_gpu": Proven((f"{PREF}::test_full_dpo_matches_single_process[ddp]",), SINGLE_REFERENCE),
+        **_each(("ddp", "fsdp", "fsdp_offload", *ZERO), lambda c: Proven((f"{PREF}::test_full_dpo_matches_single_process[{c}]",))),
+        "hsdp": _run("preference", "LoRA, preference.loss=sigmoid"),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+    },
+    "dpo_losses": {
+        **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("preference", f"LoRA, preference.loss="
+                                                             f"{PREFERENCE_LOSS[c]}: one loss per config, in turn")),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+    },
+    "scoring": _each(CONFIGS, lambda c: _run("adapters")),
+    "samples": _each(CONFIGS, lambda c: _run("adapters")),
+    "compile": {
+        **_each(CONFIGS, lambda c: Refused("training.compile=true is unverified under")),
+        "single_gpu": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[single_gpu]",)),
+        "ddp": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[ddp]",)),
+        "fsdp": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[fsdp]",)),
+        **_each(TENSOR, lambda c: Refused("training.compile=true " + TP_REFUSAL)),
+    },
+    "grad_ckpt": _each(CONFIGS, lambda c: _run("adapters")),
+    "router_loss": {
+        "single_gpu": Proven((f"{MOE_RESUME}[qwen3-30b-a3b/full_sft.yaml]",), SINGLE_REFERENCE),
+        "ddp": Proven((f"{MOE_OTHER}[qwen3-30b-a3b/lora_sft.yaml-ddp]",)),
+        "fsdp": Proven((f"{MOE_RESUME}[qwen3-30b-a3b/full_sft.yaml]",)),
+        "zero3": Proven((f"{MOE_OTHER}[qwen3-30b-a3b/full_sft.yaml-zero3]",)),
+        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
+                lambda c: Proven((f"{MOE_OTHER}[qwen3-30b-a3b/lora_sft.yaml-{c}]",))),
+        **_each(SEQUENCE, lambda c: Refused("the router's load-balancing loss) is not supported under")),
+        "tp": Proven((f"{TPT}::test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_like_one_process"
+                      "[qwen3-30b-a3b/full_sft.yaml]",)),
+        "fsdp_tp": Proven((f"{FTP}::test_shipped_full_fine_tunes_preflight_under_fsdp2_with_tensor_parallelism"
+                           "[qwen3-30b-a3b/full_sft.yaml-ddp]",),
+                          "equal to DDP on the same micro-batches (the router loss is per micro-batch, as one "
+                          "process with the same micro-batches computes it)"),
+    },
+    "loss_plain": _each(CONFIGS, lambda c: _run("full")),
+    "loss_trl": {
+        **_each(CONFIGS, lambda c: _run("adapters")),
+        **_each(TENSOR, lambda c: Refused("training.loss_impl=trl (TRL's fused head reads lm_head whole) "
+                                          + TP_REFUSAL)),
+    },
+    "bf16": _each(CONFIGS, lambda c: _run("noise", "bf16 autocast / FSDP2 bf16 compute: within the noise tolerance")),
+    "fp16": {
+        **_each(CONFIGS, lambda c: NeedsGpu("full_fp16" if c == "single_gpu" else None)),
+        **_each(TENSOR, lambda c: Refused("training.mixed_precision=fp16 (its loss scaler", on_gpu=True)),
+    },
+    "eval_sets": _each(CONFIGS, lambda c: _run("adapters")),
+    "adamw_8bit": {
+        "single_gpu": NeedsGpu("adamw_8bit"),
+        "ddp": NeedsGpu("adamw_8bit"),
+        **_each((*FSDP_FAMILY, "fsdp_cp"), lambda c: Refused("training.optimizer=adamw_8bit is not supported with fsdp",
+                                                            on_gpu=True)),
+        **_each((*ZERO, "zero3_ulysses"), lambda c: Refused("training.optimizer=adamw_8bit is not supported with "
+                                                           "deepspeed", on_gpu=True)),
+        **_each(TENSOR, lambda c: Refused("training.optimizer=adamw_8bit (on tensor-parallel DTensors", on_gpu=True)),
+    },
+    "offload_activations": _each(CONFIGS, lambda c: _run("full")),
+}
+
+
+def cell(feature: str, config: str) -> Cell:
+    return CELLS[feature][config]
+
+
+def run_features(kind: str, config: str) -> list[Feature]:
+    """The features a feature run of this kind turns on under this config: every one its column proves by it."""
+    return [f for f in FEATURES
+            if isinstance(value := cell(f.key, config), Proven) and value.tests == (f"run:{kind}",)]
+
+
+
+# ----------------------------------------------------------------------------------------------- the docs
+SYMBOL = {Proven: "✓", Refused: "✗", NeedsGpu: "GPU"}
+
+
+def markdown() -> str:
+    """docs/compatibility.md, generated (tests/test_matrix.py fails when the file differs)."""
+    head = ["# Compatibility matrix: every feature on every strategy", "",
+            "Generated from `disttrain/recipe/matrix.py` by `make matrix`; do not edit by hand "
+            "(`tests/test_matrix.py` fails when this file and the declaration differ).", "",
+            "- **✓** proven on CPU processes over gloo: trained under that config and compared with one process "
+            "(losses per step, eval losses, exported weights; stochastic features: replicas identical every step "
+            f"and per-step losses within {NOISE_TOLERANCE:.0%} of one process's). Not verified on GPUs "
+            "(docs/strategies.md, GPU paths).",
+            "- **✗** refused in one line before the model's weights load (`disttrain/recipe/compat.py`); the reason "
+            "is listed below.",
+            "- **GPU** needs a CUDA GPU (bitsandbytes, fp16): refused in one line on a machine without one; on a GPU "
+            "it runs, not yet verified there (the acceptance item is named below).", "",
+            "| feature | " + " | ".join(c.title for c in COLUMNS) + " |",
+            "|---|" + "---|" * len(COLUMNS)]
+    rows = [f"| {f.title} | " + " | ".join(SYMBOL[type(cell(f.key, c.config))] for c in COLUMNS) + " |"
+            for f in FEATURES]
+    detail = ["", "## Each cell", "",
+              "`run:<kind>` is a feature run of `tests/test_matrix.py` (`test_feature_run_trains_like_one_process"
+              "[<config>-<kind>]`): one launch under that config with every feature its column proves by that "
+              "kind of run, against one process on the same recipe.", ""]
+    for f in FEATURES:
+        detail.append(f"### {f.title}")
+        detail.append("")
+        for c in COLUMNS:
+            value = cell(f.key, c.config)
+            if isinstance(value, Proven):
+                text = "✓ " + ", ".join(f"`{t}`" for t in value.tests) + (f" ({value.note})" if value.note else "")
+            elif isinstance(value, Refused):
+                text = f"✗ \"…{value.says}…\"" + (" (the refusal on a GPU machine)" if value.on_gpu else "")
+            else:
+                text = "GPU: refused without a CUDA GPU; " + (f"acceptance item `{value.acceptance}`" if value.acceptance
+                                                                else "no acceptance item yet: unverified")
+            detail.append(f"- {c.title}: {text}")
+        detail.append("")
+    return "\n".join(head + rows + detail)
+
+
+def main() -> None:
+    import sys
+    from pathlib import Path
+
+    out = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+    if sys.argv[1:] == ["--check"]:
+        raise SystemExit(0 if out.read_text() == markdown() else "docs/compatibility.md is stale: run make matrix")
+    out.write_text(markdown())
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The compatibility matrix (disttrain/recipe/matrix.py) proven cell by cell.
+
+- docs/compatibility.md is the declaration rendered (`make matrix`), byte for byte;
+- every Refused cell is refused in one line by the checks train.py runs before the process group and before any
+  weight loads (compat.check_before_launch with the column's plan; the model's config read, not its weights);
+  every NeedsGpu cell is refused in one line without a GPU and let through with one; every Proven cell passes
+  those checks (nothing claimed proven is refused);
+- every Proven cell names tests that exist in the suite (collected by pytest itself), so CI runs them;
+- the feature runs: for each config and kind, one launch with every feature its column proves by that kind
+  (several at a time: pairwise coverage, one launch for many cells), against one process on the same recipe
+  with the same 4 rows per optimizer step. `adapters` and `full` and `preference`: losses, eval losses (per
+  source), lm-eval scores and the end-of-run sample equal, weights to 1e-4 / 1e-3, as the strategy matrix
+  (tests/strategy_runs.py). `noise` (LoRA dropout, NEFTune, bf16): replicas compared every step (a drift
+  fails the run) and the losses within matrix.NOISE_TOLERANCE of one process's, whose draws are others.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from disttrain.errors import DisttrainError
+from disttrain.metrics.log import read_metrics
+from disttrain.recipe import compat, matrix
+from disttrain.recipe.matrix import COLUMNS, FEATURES, NeedsGpu, Proven, Refused
+from disttrain.recipe.schema import load_recipe, recipe_to_dict
+from disttrain.runtime.launcher import cpu_ring_env
+
+COLUMN = {c.config: c for c in COLUMNS}
+
+
+def test_the_docs_table_is_the_declaration_rendered():
+    assert (REPO / "docs" / "compatibility.md").read_text() == matrix.markdown(), "run `make matrix`"
+
+
+def test_every_feature_has_exactly_one_cell_per_config():
+    for feature in FEATURES:
+        assert set(matrix.CELLS[feature.key]) == set(matrix.CONFIGS), feature.key
+        for value in matrix.CELLS[feature.key].values():
+            assert isinstance(value, (Proven, Refused, NeedsGpu))
+            if isinstance(value, Proven):
+                kinds = [t for t in value.tests if t.startswith("run:")]
+                assert all(t[4:] in matrix.RUN_KINDS for t in kinds)
+
+
+# ------------------------------------------------------------------------------------------ the refusals
+def plan_of(config: str):
+    """What compat sees of a launch of this column (runtime/plan.ParallelPlan's fields it reads)."""
+    c = COLUMN[config]
+    label = {"single_gpu": "single"}.get(config, config)
+    return SimpleNamespace(strategy=c.strategy, label=label, sp=c.sp, cp=c.cp, tp=c.tp, tp_data=c.tp_data)
+
+
+def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, monkeypatch) -> str | None:
+    """The one-line refusal train.py gives this feature under this config before anything loads (None: none)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    monkeypatch.delenv(compat.ALLOW_UNVERIFIED, raising=False)
+    # the CPU ring mapping stands in for the GPU kernels the ring maps on a GPU (the kernel check is its own test)
+    monkeypatch.setitem(ring.custom_ops, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    recipe_file = write_recipe(tmp_path / "r.yaml", base_recipe(model_dir, tmp_path / "out"))
+    recipe = load_recipe(recipe_file, list(feature.overrides))
+    try:
+        compat.check_before_launch(recipe, plan_of(config), gpu)
+    except DisttrainError as err:
+        return str(err)
+    return None
+
+
+def model_for(feature, tiny_model_dir, tiny_moe_dir) -> Path:
+    return tiny_moe_dir if feature.moe else tiny_model_dir
+
+
+CELLS = [(f, c) for f in FEATURES for c in matrix.CONFIGS]
+
+
+@pytest.mark.parametrize("feature, config", [(f, c) for f, c in CELLS if isinstance(matrix.cell(f.key, c), Refused)],
+                         ids=lambda x: getattr(x, "key", x))
+def test_refused_cells_are_refused_in_one_line_before_anything_loads(feature, config, tiny_model_dir, tiny_moe_dir,
+                                                                     tmp_path, monkeypatch):
+    expected = matrix.cell(feature.key, config)
+    said = checked(feature, config, expected.on_gpu, model_for(feature, tiny_model_dir, tiny_moe_dir), tmp_path,
+                   monkeypatch)
+    assert said is not None, f"{feature.key} under {config} is declared refused but passes the checks"
+    assert expected.says in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("feature, config", [(f, c) for f, c in CELLS if isinstance(matrix.cell(f.key, c), NeedsGpu)],
+                         ids=lambda x: getattr(x, "key", x))
+def test_gpu_only_cells_are_refused_without_a_gpu_and_pass_with_one(feature, config, tiny_model_dir, tiny_moe_dir,
+                                                                    tmp_path, monkeypatch):
+    model = model_for(feature, tiny_model_dir, tiny_moe_dir)
+    said = checked(feature, config, False, model, tmp_path, monkeypatch)
+    assert said is not None and "GPU" in said and "\n" not in said, said
+    assert checked(feature, config, True, model, tmp_path, monkeypatch) is None
+
+
+@pytest.mark.parametrize("feature, config", [(f, c) for f, c in CELLS if isinstance(matrix.cell(f.key, c), Proven)],
+                         ids=lambda x: getattr(x, "key", x))
+def test_proven_cells_pass_the_checks(feature, config, tiny_model_dir, tiny_moe_dir, tmp_path, monkeypatch):
+    said = checked(feature, config, False, model_for(feature, tiny_model_dir, tiny_moe_dir), tmp_path, monkeypatch)
+    assert said is None, said
+
+
+def test_every_proven_cell_names_tests_that_the_suite_collects():
+    named = {t for f in FEATURES for c in matrix.CONFIGS if isinstance(v := matrix.cell(f.key, c), Proven)
+             for t in v.tests if not t.startswith("run:")}
+    files = sorted({t.split("::")[0] for t in named})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    collected = set(proc.stdout.split())
+    assert sorted(named - collected) == []
+
+
+# ------------------------------------------------------------------------------------------ the feature runs
+ROWS_PER_STEP = 4
+STEPS = 4
+
+
+def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,
+               preference_loss: str | None) -> Path:
+    """The tiny recipe with these features on, 4 rows per optimizer step over `data_ranks` (1: the reference)."""
+    micro, accum = {1: (2, 2), 2: (1, 2), 4: (1, 1)}[data_ranks]
+    tree = base_recipe(model_dir, folder / name,
+                       training={"max_steps": STEPS, "micro_batch_size": micro, "grad_accum": accum, "lr": 2e-3,
+                                 "lr_scheduler": "cosine", "warmup_steps": 1, "max_grad_norm": 1.0},
+                       data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
+                       distributed={"check_replicas_every": 1})
+    base = write_recipe(folder / f"{name}.base.yaml", tree)
+    overrides = [o for f in features for o in f.overrides]
+    if kind == "preference":
+        overrides += ["lora.r=8", "lora.dropout=0", f"preference.loss={preference_loss}"]
+        if preference_loss in ("simpo", "orpo"):
+            overrides.append("preference.reference=none")
+    recipe = load_recipe(base, overrides)
+    recipe_dict = recipe_to_dict(recipe)
+    recipe_dict["training"]["max_steps"] = STEPS
+    return write_recipe(folder / f"{name}.yaml", recipe_dict)
+
+
+def run_features(kind: str, config: str):
+    return matrix.run_features(kind, config)
+
+
+RUNS = [(config, kind) for kind in matrix.RUN_KINDS for config in matrix.CONFIGS if run_features(kind, config)]
+
+
+def feature_run(runs, model_dir: Path, kind: str, config: str, features, loss: str | None) -> tuple[Path, str]:
+    """The launch of `config` with `features` (one process for "single_gpu"; `loss`: the preference loss), made
+    once per session."""
+    column = COLUMN[config]
+    key = f"matrix-{kind}-{config}-{'-'.join(f.key for f in features)}-{loss}"
+
+    def make(folder: Path):
+        recipe = run_recipe(folder, model_dir, kind, features, column.data_ranks, "run", loss)
+        env = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"} if column.cp > 1 else None
+        proc = launch(config, recipe, nproc=column.processes, env=env)
+        assert_ok(proc)
+        return folder / "run", proc.stdout
+    return runs.get(key, make)
+
+
+COMPARED = ("loss", "eval_loss")
+COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/")
+
+
+def compared(out: Path) -> dict[tuple[int, str], float]:
+    return {(r["step"], k): v for r in read_metrics(out) for k, v in r.items()
+            if (k in COMPARED or k.startswith(COMPARED_PREFIXES)) and isinstance(v, (int, float))}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("config, kind", RUNS, ids=[f"{c}-{k}" for c, k in RUNS])
+def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir):
+    features = run_features(kind, config)
+    loss = matrix.PREFERENCE_LOSS[config] if kind == "preference" else None
+    out, stdout = feature_run(runs, tiny_model_dir, kind, config, features, loss)
+    ref, ref_stdout = feature_run(runs, tiny_model_dir, kind, "single_gpu", features, loss)
+    keys = {f.key for f in features}
+    ours, single = compared(out), compared(ref)
+    assert sorted(s for s, k in ours if k == "loss") == list(range(1, STEPS + 1))
+    if "eval_sets" in keys:
+        assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
+    if "scoring" in keys:
+        assert {s for s, k in ours if k.startswith("lm_eval/")} == {2, 4}
+    assert set(ours) == set(single)
+    lora = any(f.key in ("lora", "dora", "rslora", "lora_dropout") for f in features) or kind == "preference"
+    if kind == "noise":  # other random draws than one process's: the statistics, not the values
+        for key, value in single.items():
+            assert abs(ours[key] - value) <= matrix.NOISE_TOLERANCE * abs(value), (key, ours[key], value)
+        return
+    assert ours == pytest.approx(single, rel=1e-4), "\n".join(
+        f"{k}: {ours[k]} vs {single[k]}" for k in sorted(single) if ours[k] != pytest.approx(single[k], rel=1e-4))
+    if "samples" in keys:
+        samples = [[line for line in text.splitlines() if line.startswith("sample: ")] for text in (stdout, ref_stdout)]
+        assert samples[0] and samples[0] == samples[1]
+    weights = [_final(run, lora) for run in (out, ref)]
+    assert set(weights[0]) == set(weights[1]) and all(v.numel() > 0 for v in weights[0].values())
+    for name, value in weights[1].items():
+        torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=1e-3, msg=f"{config} {kind}: {name}")
+
+
+def _final(out: Path, lora: bool) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
