@@ -19,7 +19,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
     full_bf16_{single,fsdp,zero2,zero3}
                               bf16 full fine-tune, world size 1: an uninterrupted run of N steps, and a new
                               launch resumed from its step-N/2 checkpoint (it must say so): per-step losses
-                              equal (rel 1e-3 on GPU), final/ loads with AutoModelForCausalLM.from_pretrained
+                              equal (rel 1e-3 on GPU), final/ loads with AutoModelForCausalLM.from_pretrained;
+                              ZeRO: final/ equals its last checkpoint read back (the fp32 masters), bit for bit
     hsdp_2x2                  the same on 4 GPUs under accelerate_configs/hsdp.yaml (2 replicas x 2 shards);
                               SKIP on a machine with fewer GPUs (the one lent GPU: prepared, not run)
     ulysses_sp2               the same on 2 GPUs under accelerate_configs/zero3_ulysses.yaml (each sequence split

@@ -46,7 +46,27 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
         raise Fail(f"resumed losses differ from the uninterrupted run by rel {diff:.3g} > {ctx.s.loss_rtol:g}: "
                    f"{ {k: (ref[k], got[k]) for k in got} }", log_b)
     check_full_export(ctx, b / "final", log_b)
+    if config.startswith("zero"):
+        require_final_equals_checkpoint(ctx, b, n, log_b)
     return PASS, f"resumed at {stop}/{n}: max rel loss diff {diff:.2g} (<= {ctx.s.loss_rtol:g}); final/ loads"
+
+
+def require_final_equals_checkpoint(ctx: Ctx, run, step: int, log) -> None:
+    """ZeRO with the float32 model under bf16 trains a bf16 copy and keeps fp32 masters: final/ must hold what the
+    checkpoint readers return for the last checkpoint (DeepSpeed's zero_to_fp32: the masters), bit for bit, in
+    their dtype (it held the bf16-rounded module weights; disttrain/model/export.py)."""
+    from safetensors.torch import load_file
+
+    from disttrain.model import from_checkpoint
+
+    with ctx.lock:  # from_pretrained patches torch's init functions while it builds: one at a time
+        model, _, _ = from_checkpoint.load(run / "checkpoints" / f"step-{step:08d}")
+    state, final = model.state_dict(), load_file(run / "final" / "model.safetensors")
+    differ = [name for name, value in final.items()
+              if name in state and (value.dtype != state[name].dtype or not value.equal(state[name]))]
+    if differ:
+        raise Fail(f"final/ differs from the step-{step} checkpoint's weights in {len(differ)} tensors "
+                   f"(e.g. {differ[0]}: {final[differ[0]].dtype} vs {state[differ[0]].dtype})", log)
 
 
 def adamw_8bit(ctx: Ctx) -> tuple[str, str]:
