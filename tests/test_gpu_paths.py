@@ -60,7 +60,7 @@ class _OneProcess:
     def get_state_dict(self, model):
         return model.state_dict()
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model, keep_torch_compile=True):
         return model
 
     def wait_for_everyone(self):

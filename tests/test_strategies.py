@@ -64,7 +64,7 @@ def test_resume_from_a_mid_run_checkpoint_matches_uninterrupted(strategy, lora, 
     assert_same_run(run.out, tmp_path / "resumed", lora, first_step=CHECKPOINT_EVERY + 1)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_zero_with_bf16_exports_the_fp32_masters_its_checkpoints_hold(strategy, runs, tiny_model_dir, tmp_path):
     """model.dtype float32 + bf16 under ZeRO: DeepSpeed trains a bf16 copy of the module and keeps fp32 masters
     in the optimizer. final/ must hold what the checkpoint readers (`make eval` / `make export` of the last

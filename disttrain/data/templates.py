@@ -66,9 +66,9 @@ class TurnLayout:
     closing: str
     end: str | None
     markup: re.Pattern | None
-    # after the header and each further opener: the whitespace the generation prompt goes on with there (the
-    # prompt ends with it, so the reply starts after it; _header_end)
-    gaps: tuple[str, ...] = ("",)
+    # the whitespace the generation prompt ends with after its header and openers: the prompt ends there, so a
+    # reply starts after as much of it as a rendering has (_header_end)
+    gap: str = ""
 
 
 _LAYOUTS: dict[tuple, TurnLayout] = {}  # a cache per (template, vocabulary); the tokenizer is not touched, so
@@ -149,18 +149,17 @@ def _learn_layout(tokenizer) -> TurnLayout:
     if matched:
         header, openers = wanted[:matched], wanted[matched:]
         # search, not match: a template without whitespace control may start the prompt with blank lines
-        gaps = tuple(_leading_space(generation[_header_regex(wanted[:n]).search(generation).end():])
-                     for n in range(matched, len(wanted) + 1))
+        gap = _leading_space(generation[_header_regex(wanted).search(generation).end():])
     else:  # header-less ([INST] ... [/INST] answer): the reply follows what closes the user's turn, and the
         # whitespace the prompt ends with (a newline after `[/INST]` where the template writes one)
         prompt_end = prompt or history or ""
-        header, openers, gaps = _pieces(glue, markup), (), (prompt_end[len(prompt_end.rstrip()):],)
+        header, openers, gap = _pieces(glue, markup), (), prompt_end[len(prompt_end.rstrip()):]
     closing = ""
     if header and (found := _header_regex(header).search(glue)):
         closing = _strip_markup(glue[:found.start()], markup)
     bos = tokenizer.bos_token
     ends = [m.group(0) for m in markup.finditer(after) if m.group(0) != bos] if markup else []
-    return TurnLayout(header, openers, closing, ends[0] if ends else None, markup, gaps)
+    return TurnLayout(header, openers, closing, ends[0] if ends else None, markup, gap)
 
 
 def _leading_space(text: str) -> str:
@@ -201,7 +200,7 @@ def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
     # the prompt's whitespace there, as far as the rendering has it (none where the history leaves out an opener
     # the prompt has: R1's `<think>`); further whitespace up to the last line break is layout too (a history
     # written on more lines than the prompt), spaces after it the reply's own (Llama-2's " answer")
-    gap = layout.gaps[consumed] if consumed == len(layout.openers) else ""
+    gap = layout.gap if consumed == len(layout.openers) else ""
     end += len(os.path.commonprefix([gap, text[end:end + len(gap)]]))
     more = _leading_space(text[end:])
     return end + max(more.rfind("\n"), more.rfind("\r")) + 1

@@ -3,7 +3,7 @@ evaluation.every_steps, with the numbers in metrics.jsonl and the trackers (lm_e
 
 The main process rebuilds the model from the checkpoint just written (model/from_checkpoint.py, the same reading
 `make eval RUN=<checkpoint>` uses, so the two give the same numbers) on its own device and scores it; the other
-ranks wait at a barrier, then receive the numbers. Reading the checkpoint instead of the live model works alike
+ranks poll the process group's store for the numbers (no collective: evaluation.wait_s bounds the wait). Reading the checkpoint instead of the live model works alike
 for every strategy (FSDP and ZeRO-3 hold only shards) and leaves the training state untouched; the RNG states
 lm-eval seeds are put back, so a run with evaluation trains exactly as one without. The cost: one more copy of the
 model on the main process's device while it is scored (keep the task list cheap, `limit` small)."""
@@ -11,6 +11,7 @@ model on the main process's device while it is scored (keep the task list cheap,
 from __future__ import annotations
 
 import json
+import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,7 +44,8 @@ class CheckpointScorer:
         from torch.distributed import distributed_c10d
 
         store = distributed_c10d._get_default_store()
-        key = f"disttrain/scored/{checkpoint.name}"
+        # per torchrun attempt: a restart that kept the rendezvous store must not read an earlier attempt's reply
+        key = f"disttrain/scored/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{checkpoint.name}"
         if self.accelerator.is_main_process:
             try:
                 scored = self._score(checkpoint)
@@ -54,9 +56,12 @@ class CheckpointScorer:
             return scored
         try:
             store.wait([key], timedelta(seconds=self.section.wait_s))
-        except Exception:  # torch's DistStoreError on timeout
-            raise DisttrainError(f"scoring {checkpoint} on the main process took longer than evaluation.wait_s="
-                                 f"{self.section.wait_s}; raise it, or set evaluation.limit lower") from None
+        except Exception as exc:  # torch's DistStoreError: the wait timed out, or the store's host went away
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                raise DisttrainError(f"scoring {checkpoint} on the main process took longer than evaluation.wait_s="
+                                     f"{self.section.wait_s}; raise it, or set evaluation.limit lower") from None
+            raise DisttrainError(f"lost the main process while it scored {checkpoint} ({type(exc).__name__}); its "
+                                 "own output names the cause") from None
         reply = json.loads(store.get(key))
         if "error" in reply:
             raise DisttrainError(f"scoring {checkpoint} failed on the main process ({reply['error']}); its own "

@@ -40,7 +40,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
                                   is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
         if masters and (tmp / "config.json").is_file():
-            _record_dtype(tmp / "config.json", spec.dtype)  # save_pretrained wrote the bf16 module's dtype
+            _record_dtype(tmp / "config.json", "float32")  # save_pretrained wrote the bf16 module's dtype
         if merge_lora and is_peft_model(unwrapped):
             with without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)
@@ -59,9 +59,12 @@ def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection)
     whose model.dtype is float32 the export takes those masters (DeepSpeed's own safe_get_full_fp32_param, a
     collective under ZeRO: every rank calls it, in the same order), as the checkpoint readers (zero_to_fp32,
     `make eval` / `make export` of a checkpoint) do: the run and its last checkpoint are one model."""
-    if getattr(accelerator.state, "deepspeed_plugin", None) is None or spec.dtype != "float32":
+    if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is None:
         return state_dict, False
     unwrapped = bare_model(accelerator, model)
+    loaded = str(getattr(unwrapped.config, "dtype", "")).replace("torch.", "")  # as loaded (model.dtype: auto)
+    if spec.dtype != "float32" and not (spec.dtype == "auto" and loaded == "float32"):
+        return state_dict, False
     if all(p.dtype == torch.float32 for p in unwrapped.parameters()):
         return state_dict, False  # trained in fp32: the module's weights are the masters
     from deepspeed.utils import safe_get_full_fp32_param
@@ -72,7 +75,7 @@ def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection)
     out = dict(state_dict) if state_dict is not None else None  # ZeRO-3 gathers to the main process only
     for param, aliases in names.values():
         if not param.requires_grad:
-            continue  # frozen (a LoRA base): no master, and not exported as trained
+            continue  # frozen (a LoRA base): no master; a LoRA export writes the adapter alone
         full = safe_get_full_fp32_param(param)
         if full is not None and out is not None and accelerator.is_main_process:
             for name in aliases:

@@ -99,8 +99,8 @@ def read_weights(checkpoint: Path, wanted: dict[str, torch.Tensor], aliases: dic
             import torch.distributed.checkpoint as dcp
 
             # both hold {"model": state_dict}; DCP loads in place, resharding to these plain tensors. no_dist: one
-            # process reads (scoring during training reads on the main process while the others wait in a
-            # broadcast; DCP would otherwise plan collectively on the default group and hang)
+            # process reads (scoring during training reads on the main process while the others poll the store;
+            # DCP would otherwise plan collectively on the default group and hang)
             target = {name: torch.empty_like(t, device="cpu") for name, t in wanted.items()}
             dcp.load({"model": target}, checkpoint_id=str(checkpoint / dcp_dir), no_dist=True)
             return target

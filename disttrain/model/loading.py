@@ -72,7 +72,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
         **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec),
-        **_tensor_parallel_kwargs(spec, tp, tp_data, bf16))
+        **_tensor_parallel_kwargs(tp, tp_data, bf16))
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
@@ -82,7 +82,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     return model
 
 
-def _tensor_parallel_kwargs(spec: ModelSection, tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
+def _tensor_parallel_kwargs(tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
     """transformers splits the weights by the model's own plan as it loads them, and shards them over the data
     ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm with lm_head)."""
     if tp == 1:

@@ -156,9 +156,12 @@ def check_ring_kernel(cp: int, gpu: bool) -> None:
     if cp == 1 or gpu:
         return
     import torch
-    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in ring.custom_ops:
+    try:  # torch's private module: a torch that moved it has no CPU mapping to find
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+    except ImportError:
+        ring = None
+    if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in getattr(ring, "custom_ops", {}):
         raise DisttrainError("accelerate_configs/fsdp_cp.yaml (context parallelism) needs CUDA GPUs: torch's ring "
                              "attention runs only its CUDA attention kernels; on this machine train with fsdp.yaml, "
                              "or try the mesh with `make preflight STRATEGY=fsdp_cp` (it loads the project's "
@@ -166,7 +169,7 @@ def check_ring_kernel(cp: int, gpu: bool) -> None:
 
 
 def check_sequence_model(config, sp: int, cp: int) -> None:
-    """What only the model's config says (checked once it is loaded, before accelerate wraps it): both meshes
+    """What only the model's config says (read before any weight: check_model_config): both meshes
     attend with full causal attention only (no mask travels with the slices), and the router's load-balancing
     loss of a mixture of experts would be computed per slice, not over the sequence (it is not additive over
     positions), so it would differ from one process's."""
@@ -278,7 +281,11 @@ def check_model_config(recipe: Recipe, sp: int, cp: int, tp: int, data_parallel:
     from transformers import AutoConfig
 
     m = recipe.model
-    config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as exc:  # no such model, offline, gated, not a transformers config
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DisttrainError(f"model.name_or_path={m.name_or_path}: its config cannot be read ({first})") from None
     if m.router_aux_loss_coef is not None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.output_router_logits = True

@@ -46,11 +46,14 @@ def _world() -> str:
     return os.environ.get("WORLD_SIZE", "1")
 
 
-def at(phase: str, step: int | None = None) -> None:
-    """Record what this rank is doing now (called at every phase change; costs a dict update)."""
+def at(phase: str, step: int | None = None, collective: bool = True) -> None:
+    """Record what this rank is doing now (called at every phase change; costs a dict update). `collective`:
+    False for a phase that waits outside any collective (the scoring: its wait is evaluation.wait_s, not the
+    process-group timeout), which the stall watch then does not warn about."""
     if phase != _where["phase"] or (step is not None and step != _where["step"]):
         _where["since"] = time.monotonic()
     _where["phase"] = phase
+    _where["collective"] = collective
     if step is not None:
         _where["step"] = step
 
@@ -158,7 +161,7 @@ def watch(timeout_s: float, check_every_s: float | None = None) -> None:
             time.sleep(interval)
             key = (_where["phase"], _where["step"], _where["since"])
             stuck = time.monotonic() - _where["since"]
-            if key != warned_for and stuck > 0.8 * _timeout_s:
+            if key != warned_for and stuck > 0.8 * _timeout_s and _where.get("collective", True):
                 print(f"warning: rank {_rank()}: no progress for {stuck:.0f}s in {where()}; collectives time out "
                       f"after {_timeout_s:g}s (distributed.timeout_s)", file=sys.stderr, flush=True)
                 warned_for = key

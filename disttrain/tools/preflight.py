@@ -209,6 +209,7 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
 
     try:
         compat.check(recipe, strategy_of(config_file), gpu=True)
+        compat.check_unproven(recipe, {"single_gpu": "single"}.get(strategy, strategy))
         report.add("compatibility", True, f"{strategy} + {'LoRA' if recipe.lora else 'full'}"
                    f"{' + 4-bit' if recipe.model.quantization else ''} + {recipe.training.optimizer} on GPUs")
     except DisttrainError as exc:

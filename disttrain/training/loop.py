@@ -292,7 +292,8 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
                 _, took = window.timed_apart(lambda: checkpointer.save(state))
                 log({"checkpoint_time_s": took}, state.step)
                 if scorer is not None and scorer.due(state.step) and not stop:
-                    guards.at("scoring the checkpoint with lm-eval (main process; the other ranks wait)", step)
+                    guards.at("scoring the checkpoint with lm-eval (main process; the other ranks wait)", step,
+                              collective=False)
                     scored, took = window.timed_apart(lambda: scorer(checkpointer.last_saved))
                     log({**scored, "lm_eval_time_s": took}, state.step)
             if stop or last:
