@@ -24,7 +24,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
 
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.errors import DisttrainError
@@ -33,6 +32,7 @@ from disttrain.recipe import compat, matrix
 from disttrain.recipe.matrix import COLUMNS, FEATURES, NeedsGpu, Proven, Refused
 from disttrain.recipe.schema import load_recipe, recipe_to_dict
 from disttrain.runtime.launcher import cpu_ring_env
+from strategy_runs import final_weights
 
 COLUMN = {c.config: c for c in COLUMNS}
 
@@ -207,7 +207,7 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
     if "eval_sets" in keys:
         assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
     if "scoring" in keys:
-        assert {s for s, k in ours if k.startswith("lm_eval/")} == {2, 4}
+        assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
     if config == "single_gpu":  # the reference itself: its features ran (above); nothing to compare it with
         return
     assert set(ours) == set(single)
@@ -221,13 +221,8 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
     if "samples" in keys:
         samples = [[line for line in text.splitlines() if line.startswith("sample: ")] for text in (stdout, ref_stdout)]
         assert samples[0] and samples[0] == samples[1]
-    weights = [_final(run, lora) for run in (out, ref)]
+    weights = [final_weights(run, lora) for run in (out, ref)]
     assert set(weights[0]) == set(weights[1]) and all(v.numel() > 0 for v in weights[0].values())
     for name, value in weights[1].items():
         torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=1e-3, msg=f"{config} {kind}: {name}")
 
-
-def _final(out: Path, lora: bool) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))

@@ -114,7 +114,7 @@ FEATURES = (
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),
     Feature("scoring", "evaluation during training (lm-eval)",
-            ("output.checkpoint_every=2", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=2",
+            ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
              "evaluation.limit=5")),
     Feature("samples", "end-of-run samples", ("logging.samples=1",)),
     Feature("compile", "training.compile (regional)", ("training.compile=true",)),
