@@ -91,16 +91,23 @@ help: ## list targets and variables
 	@echo "           CHECKPOINT=<run>/checkpoints/step-N OUT=dir (export)"
 	@echo "           TASKS=$(TASKS) BASE=1 LIMIT=n INCLUDE=dir (eval: lm-eval tasks, the base model too, examples per task, your task YAMLs)"
 
-setup: $(VENV)/.installed ## create .venv and install the project with its test dependencies
+# The install follows its arguments: one stamp per (TORCH_SPEC, TORCH_INDEX, EXTRAS), so `make setup
+# TORCH_SPEC=torch EXTRAS=test,tracking` after a first `make train` installs again instead of "Nothing to be done"
+INSTALL_ARGS := torch: $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)), extras: [$(EXTRAS)]
+INSTALLED    := $(VENV)/.installed-$(shell printf '%s' '$(INSTALL_ARGS)' | cksum | cut -d' ' -f1)
 
-$(VENV)/.installed: pyproject.toml
+setup: $(INSTALLED) ## create .venv and install the project (TORCH_SPEC, TORCH_INDEX, EXTRAS: changing one reinstalls)
+
+$(INSTALLED): pyproject.toml
+	@if ls $(VENV)/.installed-* >/dev/null 2>&1; then echo "setup: installing $(INSTALL_ARGS) (.venv was installed with: $$(cat $(VENV)/.installed-* | head -1))"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# the editable package's bytecode, once: with PYTHONDONTWRITEBYTECODE=1 (CI) every launched process would
 	@# otherwise compile disttrain/ from source again (~0.1 s each, ~190 launches x 3 processes in `make test`)
 	$(PY) -m compileall -q disttrain
-	touch $@
+	rm -f $(VENV)/.installed-*
+	echo '$(INSTALL_ARGS)' > $@
 
 tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
 

@@ -81,3 +81,34 @@ def test_cli_bad_recipe_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "training.lr" in lines[0], proc.stderr
     assert not out.exists()
+
+
+def test_setup_installs_again_when_its_arguments_change():
+    """`make train` first (the CPU build), then `make setup TORCH_SPEC=torch EXTRAS=test,tracking` for the GPU:
+    make answered "Nothing to be done" (the stamp depended on pyproject.toml only) and the CPU torch stayed."""
+    import subprocess
+
+    from conftest import REPO
+
+    def dry_run(*variables):
+        return subprocess.run(["make", "-n", "setup", *variables], cwd=REPO, capture_output=True, text=True,
+                              timeout=60).stdout
+
+    assert "pip install" not in dry_run()  # installed with these arguments already (make setup ran first)
+    again = dry_run("TORCH_SPEC=torch", "EXTRAS=test,tracking")
+    assert "pip install -q torch " in again and 'pip install -q -e ".[test,tracking]"' in again
+    assert "setup: installing torch: torch, extras: [test,tracking]" in again
+
+
+def test_lora_on_lm_head_with_the_chunked_loss_is_one_line_before_anything_loads():
+    """It was a TypeError traceback after the model loaded (the chunked loss reads lm_head as a plain Linear)."""
+    from conftest import REPO
+    from disttrain.errors import RecipeError
+    from disttrain.recipe.schema import load_recipe
+
+    for override in ("lora.target_modules=[q_proj,lm_head]", "lora.modules_to_save=[lm_head]"):
+        with pytest.raises(RecipeError, match="lora adapts lm_head, which training.loss_impl=chunked") as err:
+            load_recipe(REPO / "recipes/tiny/sft.yaml", ["lora.r=4", override])
+        assert "\n" not in str(err.value)
+    load_recipe(REPO / "recipes/tiny/sft.yaml", ["lora.r=4", "lora.target_modules=[q_proj,lm_head]",
+                                                 "training.loss_impl=plain"])

@@ -6,6 +6,8 @@ import os
 import subprocess
 
 import pytest
+
+from disttrain.errors import DisttrainError
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -69,6 +71,19 @@ def test_report_table_compares_runs_and_in_progress_runs_get_plots(tmp_path, cap
     row = summary_row(done)
     assert row["resumes"] == 1 and row["mfu"] == pytest.approx(0.4) and row["complete"]
     assert "| run |" in summary_table([row])
+
+
+def test_a_glob_that_matches_a_dir_without_metrics_skips_it_and_reports_the_rest(tmp_path, capsys):
+    """`make report RUN="outputs/tiny-sft/*"` matched a dir with no metrics.jsonl and aborted the whole report."""
+    from disttrain.report.__main__ import main
+
+    done, empty = fake_run(tmp_path / "a"), tmp_path / "b"
+    empty.mkdir()
+    main([str(done), str(empty)])
+    out = capsys.readouterr().out
+    assert f"skipped {empty}: no metrics.jsonl" in out and "| fsdp | 8 | sft |" in out
+    with pytest.raises(DisttrainError, match="no metrics.jsonl here"):
+        main([str(empty)])
 
 
 def test_sample_prompts_stop_where_the_targets_start():

@@ -274,9 +274,11 @@ def output_projection(model) -> torch.nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"training.loss_impl=chunked needs a plain torch.nn.Linear output projection, found "
-                        f"{type(head).__module__}.{type(head).__name__} (LoRA on lm_head?); remove lm_head from "
-                        "lora.target_modules or use training.loss_impl=plain")
+        from disttrain.errors import DisttrainError
+
+        raise DisttrainError(f"training.loss_impl=chunked needs a plain torch.nn.Linear output projection, found "
+                             f"{type(head).__module__}.{type(head).__name__} (LoRA on lm_head?); remove lm_head from "
+                             "lora.target_modules or use training.loss_impl=plain")
     return head
 
 

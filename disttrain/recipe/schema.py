@@ -315,11 +315,23 @@ class Recipe(_Section):
             raise ValueError("model.quantization needs a lora section: quantized base weights cannot be trained")
         self._check_objective()
         self._check_evaluation()
+        self._check_adapted_head()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming: true needs training.max_steps (a stream has no length to count "
                              "epochs in)")
         return self
 
+
+    def _check_adapted_head(self) -> None:
+        """LoRA (or modules_to_save) on lm_head wraps it: the chunked and TRL loss engines read lm_head as a plain
+        Linear; said here, before anything loads (it was a TypeError traceback after the model loaded)."""
+        lora = self.lora
+        targets = [*(lora.target_modules if lora and isinstance(lora.target_modules, list) else []),
+                   *(lora.modules_to_save or [] if lora else [])]
+        if "lm_head" in targets and self.training.loss_impl != "plain":
+            raise ValueError(f"lora adapts lm_head, which training.loss_impl={self.training.loss_impl} reads as a "
+                             "plain Linear: remove lm_head from lora.target_modules / modules_to_save, or set "
+                             "training.loss_impl: plain")
 
     def _check_evaluation(self) -> None:
         every, saved = self.evaluation.every_steps, self.output.checkpoint_every
@@ -425,7 +437,7 @@ def _describe(error: dict, overridden: set[str]) -> str:
     where = " (set on the command line)" if key in overridden else ""
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        message = "unknown key; check the spelling against the recipe fields in README.md"
+        message = "unknown key; check the spelling against the recipe fields in docs/recipes.md"
     elif "input" in error and error["type"] != "missing" and not isinstance(error["input"], dict):
         message += f" (got {error['input']!r})"
     return f"{key}{where}: {message}"

@@ -24,10 +24,17 @@ def main(argv=None) -> None:
         args.runs = sorted(str(p.parent) for p in Path("outputs").rglob("metrics.jsonl"))
         if not args.runs:
             raise DisttrainError("no runs under outputs/ (no metrics.jsonl); give RUN=<a run's output.dir>")
+    runs = [Path(run) for run in args.runs]
+    missing = [run for run in runs if not (run / "metrics.jsonl").is_file()]
+    if len(missing) == len(runs):
+        raise DisttrainError(f"{missing[0]}: no metrics.jsonl here; give a run's output.dir (e.g. "
+                             "outputs/tiny-sft/ddp-2)")
+    for run in missing:  # a glob (RUN="outputs/tiny-sft/*") also matches dirs of runs that never logged a step
+        print(f"skipped {run}: no metrics.jsonl (not a run's output.dir, or a run that never logged a step)")
     rows = []
-    for run in map(Path, args.runs):
-        if not (run / "metrics.jsonl").is_file():
-            raise DisttrainError(f"{run}: no metrics.jsonl here; give a run's output.dir (e.g. outputs/tiny-sft/ddp-2)")
+    for run in runs:
+        if run in missing:
+            continue
         for path in write_report(run):
             print(f"wrote {path}")
         rows.append(summary_row(run))
