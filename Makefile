@@ -57,7 +57,11 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
 	$(if $(filter-out 0,$(MAX_RESTARTS)),--max_restarts $(MAX_RESTARTS) --rdzv_backend c10d) \
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE)) \
-	$(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
+	$(call MESH_FLAGS,$(1))
+
+# The parallelism flags of a config for GPUS x NODES processes: the one definition the train-* targets and
+# scripts/slurm/train.sbatch (through `make -s mesh-flags`) use
+MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) ))) \
 	$(if $(filter zero3_ulysses,$(1)),--parallelism_config_sp_size $(SP) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(SP) ))) \
@@ -68,7 +72,7 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast matrix preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
+	test test-fast matrix mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -210,6 +214,9 @@ cost: setup ## time, cost and memory fit per strategy, e.g. ARGS='--recipe R --t
 # 2 cores; an idle one takes tests queued for the other (worksteal). A run several tests read is made once by
 # whichever process asks first (tests/conftest.py, SharedRuns). TEST_JOBS=0: one process.
 TEST_JOBS   ?= 2
+
+mesh-flags: ## print the parallelism flags `accelerate launch` needs for STRATEGY (a config name) on GPUS x NODES
+	@echo $(call MESH_FLAGS,$(STRATEGY))
 
 matrix: setup ## regenerate docs/compatibility.md from the feature x config declaration (disttrain/recipe/matrix.py)
 	$(PY) -m disttrain.recipe.matrix
