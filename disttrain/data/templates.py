@@ -119,8 +119,9 @@ def turn_layout(tokenizer) -> TurnLayout:
         try:
             _LAYOUTS[key] = _learn_layout(tokenizer)
         except Exception as exc:  # a template shape the probes do not cover: one line, not a traceback
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise DataError(f"the chat template of {tokenizer.name_or_path} could not be read for assistant-only "
-                            f"masking ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                            f"masking ({type(exc).__name__}: {said}); "
                             "add {% generation %} markers around the assistant's replies in the model's chat template "
                             "(chat_template.jinja or tokenizer_config.json; docs/data.md#chat-templates)") from None
     return _LAYOUTS[key]

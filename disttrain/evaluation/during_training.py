@@ -3,8 +3,9 @@ evaluation.every_steps, with the numbers in metrics.jsonl and the trackers (lm_e
 
 The main process rebuilds the model from the checkpoint just written (model/from_checkpoint.py, the same reading
 `make eval RUN=<checkpoint>` uses, so the two give the same numbers) on its own device and scores it; the other
-ranks poll the process group's store for the numbers (no collective: evaluation.wait_s bounds the wait). Reading the checkpoint instead of the live model works alike
-for every strategy (FSDP and ZeRO-3 hold only shards) and leaves the training state untouched; the RNG states
+ranks poll the process group's store for the numbers (no collective: evaluation.wait_s bounds the wait). Reading
+the checkpoint instead of the live model works alike for every strategy (FSDP and ZeRO-3 hold only shards) and
+leaves the training state untouched; the RNG states
 lm-eval seeds are put back, so a run with evaluation trains exactly as one without. The cost: one more copy of the
 model on the main process's device while it is scored (keep the task list cheap, `limit` small)."""
 

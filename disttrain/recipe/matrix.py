@@ -98,7 +98,8 @@ FEATURES = (
     Feature("neftune", "NEFTune (stochastic)", ("training.neftune_alpha=5",)),
     Feature("packing", "packing", ("data.packing=true",)),
     Feature("concat_chunk", "concat-and-chunk (text)",
-            ("data.path=data/tiny_text.jsonl", "data.format=text", "data.eval_path=null", "data.concat_and_chunk=true")),
+            ("data.path=data/tiny_text.jsonl", "data.format=text", "data.eval_path=null",
+             "data.concat_and_chunk=true")),
     Feature("chunk_isolation", "chunk isolation (text)",
             ("data.path=data/tiny_text.jsonl", "data.format=text", "data.eval_path=null", "data.concat_and_chunk=true",
              "data.chunk_isolate_documents=true")),
@@ -140,6 +141,7 @@ CPT = "tests/test_context_parallel.py"
 PREF = "tests/test_preference_launch.py"
 MOE_OTHER = f"{PF}::test_moe_recipes_train_like_one_process_under_the_other_strategies"
 MOE_RESUME = f"{PF}::test_moe_recipes_train_like_one_process_across_their_resume"
+COMPILE = "tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles"
 
 ZERO = ("zero1", "zero2", "zero3", "zero3_offload")
 FSDP_FAMILY = ("fsdp", "fsdp_offload", "hsdp")
@@ -166,7 +168,8 @@ SINGLE_REFERENCE = "the one-process reference of every comparison"
 
 CELLS: dict[str, dict[str, Cell]] = {
     "full": {
-        "single_gpu": Proven(("tests/test_real_launcher.py::test_the_real_launcher_trains_as_the_warm_one[single_gpu]",),
+        "single_gpu": Proven(("tests/test_real_launcher.py::test_the_real_launcher_trains_as_the_warm_one"
+                              "[single_gpu]",),
                              SINGLE_REFERENCE),
         **_each(("ddp", "fsdp", "fsdp_offload", *ZERO), lambda c: Proven((f"{S}[{c}-full]",))),
         "hsdp": Proven(("tests/test_hsdp.py::test_hsdp_trains_like_one_process_on_a_two_dimensional_mesh",)),
@@ -211,7 +214,8 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
     },
     "qlora": {
-        **_each(("single_gpu", "ddp", *ZERO, "zero3_ulysses"), lambda c: NeedsGpu("qlora_ddp" if c in ("single_gpu", "ddp") else None)),
+        **_each(("single_gpu", "ddp", *ZERO, "zero3_ulysses"),
+                lambda c: NeedsGpu("qlora_ddp" if c in ("single_gpu", "ddp") else None)),
         **_each((*FSDP_FAMILY, "fsdp_cp"), lambda c: Refused("under FSDP2 is unverified on GPU", on_gpu=True)),
         "tp": Refused("model.quantization (QLoRA's 4-bit weights", on_gpu=True),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP", on_gpu=True),
@@ -240,7 +244,8 @@ CELLS: dict[str, dict[str, Cell]] = {
     "mixture": _each(CONFIGS, lambda c: _run("adapters")),
     "dpo": {
         "single_gpu": Proven((f"{PREF}::test_full_dpo_matches_single_process[ddp]",), SINGLE_REFERENCE),
-        **_each(("ddp", "fsdp", "fsdp_offload", *ZERO), lambda c: Proven((f"{PREF}::test_full_dpo_matches_single_process[{c}]",))),
+        **_each(("ddp", "fsdp", "fsdp_offload", *ZERO),
+                lambda c: Proven((f"{PREF}::test_full_dpo_matches_single_process[{c}]",))),
         "hsdp": _run("preference", "LoRA, preference.loss=ipo"),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
@@ -255,9 +260,9 @@ CELLS: dict[str, dict[str, Cell]] = {
     "samples": _each(CONFIGS, lambda c: _run("adapters")),
     "compile": {
         **_each(CONFIGS, lambda c: Refused("training.compile=true is unverified under")),
-        "single_gpu": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[single_gpu]",)),
-        "ddp": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[ddp]",)),
-        "fsdp": Proven(("tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles[fsdp]",)),
+        "single_gpu": Proven((f"{COMPILE}[single_gpu]",)),
+        "ddp": Proven((f"{COMPILE}[ddp]",)),
+        "fsdp": Proven((f"{COMPILE}[fsdp]",)),
         **_each(TENSOR, lambda c: Refused("training.compile=true " + TP_REFUSAL)),
     },
     "grad_ckpt": _each(CONFIGS, lambda c: _run("adapters")),
@@ -269,8 +274,8 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
                 lambda c: Proven((f"{MOE_OTHER}[qwen3-30b-a3b/lora_sft.yaml-{c}]",))),
         **_each(SEQUENCE, lambda c: Refused("the router's load-balancing loss) is not supported under")),
-        "tp": Proven((f"{TPT}::test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_like_one_process"
-                      "[qwen3-30b-a3b/full_sft.yaml]",)),
+        "tp": Proven((f"{TPT}::test_shipped_full_fine_tunes_preflight_under_tensor_parallelism_and_train_like_one_"
+                      "process[qwen3-30b-a3b/full_sft.yaml]",)),
         "fsdp_tp": Proven((f"{FTP}::test_shipped_full_fine_tunes_preflight_under_fsdp2_with_tensor_parallelism"
                            "[qwen3-30b-a3b/full_sft.yaml-ddp]",),
                           "equal to DDP on the same micro-batches (the router loss is per micro-batch, as one "
@@ -350,8 +355,8 @@ def markdown() -> str:
             elif isinstance(value, Refused):
                 text = f"✗ \"…{value.says}…\"" + (" (the refusal on a GPU machine)" if value.on_gpu else "")
             else:
-                text = "GPU: refused without a CUDA GPU; " + (f"acceptance item `{value.acceptance}`" if value.acceptance
-                                                                else "no acceptance item yet: unverified")
+                item = f"acceptance item `{value.acceptance}`" if value.acceptance else "no acceptance item yet: unverified"
+                text = "GPU: refused without a CUDA GPU; " + item
             detail.append(f"- {c.title}: {text}")
         detail.append("")
     return "\n".join(head + rows + detail)
