@@ -167,6 +167,12 @@ def _leading_space(text: str) -> str:
     return text[:len(text) - len(text.lstrip())]
 
 
+def _layout_length(space: str) -> int:
+    """How much of the whitespace before a reply is the template's layout: up to its last line break (a history
+    written on more lines than the prompt); spaces after that are the reply's own (Llama-2's " answer")."""
+    return max(space.rfind("\n"), space.rfind("\r")) + 1
+
+
 def _refuse(k: int, what: str) -> DataError:
     return DataError(f"assistant turn {k + 1}: {what} in the chat template's rendering, so its tokens cannot be "
                      "told apart from the prompt's; use a template with {% generation %} markers "
@@ -203,8 +209,7 @@ def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
     # written on more lines than the prompt), spaces after it the reply's own (Llama-2's " answer")
     gap = layout.gap if consumed == len(layout.openers) else ""
     end += len(os.path.commonprefix([gap, text[end:end + len(gap)]]))
-    more = _leading_space(text[end:])
-    return end + max(more.rfind("\n"), more.rfind("\r")) + 1
+    return end + _layout_length(_leading_space(text[end:]))
 
 
 def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[int, int]]:
@@ -235,8 +240,7 @@ def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[in
             if at < 0:
                 raise _refuse(k, "neither its header nor its content is found")
             start = cursor + len(text[cursor:at].rstrip())
-            more = text[start:at]  # of that whitespace, line breaks are layout (as after a header)
-            start += max(more.rfind("\n"), more.rfind("\r")) + 1
+            start += _layout_length(text[start:at])  # as after a header
         at = text.find(content, start) if content else -1
         if at >= 0 and layout.end and layout.end in text[start:at]:
             at = -1  # that occurrence belongs to a later turn: the template rewrote this reply

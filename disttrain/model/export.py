@@ -27,8 +27,8 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
-    state_dict, masters = _zero_fp32_masters(accelerator, model, state_dict, spec)  # collective too
     unwrapped = bare_model(accelerator, model)
+    state_dict, masters = _zero_fp32_masters(accelerator, unwrapped, state_dict, spec)  # collective too
     gathers = bool(getattr(unwrapped, "_tp_size", None))  # tensor-parallel: save_pretrained gathers the shards
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -53,7 +53,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     return out
 
 
-def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection) -> tuple[dict, bool]:
+def _zero_fp32_masters(accelerator, unwrapped, state_dict: dict, spec: ModelSection) -> tuple[dict, bool]:
     """(the state dict to write, whether it holds ZeRO's fp32 masters). Under DeepSpeed with bf16/fp16 the
     module trains in the low precision and the optimizer keeps fp32 masters of the trained weights; for a recipe
     whose model.dtype is float32 the export takes those masters (DeepSpeed's own safe_get_full_fp32_param, a
@@ -61,7 +61,6 @@ def _zero_fp32_masters(accelerator, model, state_dict: dict, spec: ModelSection)
     `make eval` / `make export` of a checkpoint) do: the run and its last checkpoint are one model."""
     if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is None:
         return state_dict, False
-    unwrapped = bare_model(accelerator, model)
     loaded = str(getattr(unwrapped.config, "dtype", "")).replace("torch.", "")  # as loaded (model.dtype: auto)
     if spec.dtype != "float32" and not (spec.dtype == "auto" and loaded == "float32"):
         return state_dict, False

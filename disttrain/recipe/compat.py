@@ -251,15 +251,16 @@ def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None
                              "fsdp.yaml")
 
 
-# Where training.compile is proven (tests/test_compile.py: compiled == eager, no recompiles): launch labels
+# Launch labels where training.compile is proven (tests/test_compile.py: compiled == eager, no recompiles) and
+# data.streaming (tests/test_streaming.py: exact resume); the matrix's cells say the same, and tests/test_matrix.py
+# fails when the two disagree (a Proven cell refused here, or a Refused one let through)
 COMPILE_PROVEN = ("single", "ddp", "fsdp")
-# Where data.streaming is proven (tests/test_streaming.py: equal to one process, exact resume)
 STREAMING_PROVEN = ("single", "ddp", "fsdp", "zero3")
 
 
 def check_unproven(recipe: Recipe, label: str) -> None:
     """Features that run under many configs but are proven only under some (disttrain/recipe/matrix.py): refused
-    under the others in one line, unless DISTTRAIN_ALLOW_UNVERIFIED=1 (the GPU acceptance script sets it)."""
+    under the others in one line, unless DISTTRAIN_ALLOW_UNVERIFIED=1 (to try one on purpose)."""
     if os.environ.get(ALLOW_UNVERIFIED) == "1":
         return
     t, d = recipe.training, recipe.data
