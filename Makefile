@@ -72,7 +72,7 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast matrix mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
+	test test-fast matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -219,6 +219,10 @@ mesh-flags: ## print the parallelism flags `accelerate launch` needs for STRATEG
 	@echo $(call MESH_FLAGS,$(STRATEGY))
 
 matrix: setup ## regenerate docs/compatibility.md from the feature x config declaration (disttrain/recipe/matrix.py)
+	$(PY) -m disttrain.recipe.matrix
+
+docs: setup ## regenerate the generated docs: recipe fields (docs/recipes.md, from the schema) and the matrix
+	$(PY) -m disttrain.recipe.reference
 	$(PY) -m disttrain.recipe.matrix
 
 test: tiny ## the whole suite, what CI runs: unit tests + multi-process launches on CPU, workers forked warm (TEST_JOBS processes)

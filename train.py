@@ -122,7 +122,8 @@ def main(argv=None):
     log = MetricsLogger(accelerator, recipe.output.dir, feed.total_steps, initial_step=state.step)
     checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
                                            recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,
-                                           rank_state=feed.rank_state, expected_bytes=checkpoint.expected_bytes(model))
+                                           rank_state=feed.rank_state, expected_bytes=checkpoint.expected_bytes(model),
+                                           minutes=recipe.output.checkpoint_minutes)
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
     state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
                        feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,

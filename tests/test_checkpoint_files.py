@@ -174,3 +174,45 @@ def test_a_disk_smaller_than_a_checkpoint_is_said_before_the_first_save(tmp_path
     Checkpointer(accelerator, tmp_path / "run", every=10, at_end=True, keep_last=2, shape=RunShape(1, "ddp", 1, 1),
                  expected_bytes=expected)
     assert len(printed) == 1 and printed[0].startswith("WARNING: checkpoint: 1.0 MiB free on the disk of")
+
+
+def test_time_cadence_counts_from_the_start_and_from_each_save(tmp_path):
+    now = [100.0]
+    saver = Checkpointer(OneProcess(), tmp_path / "run", every=None, at_end=True, keep_last=2,
+                         shape=RunShape(1, "ddp", 1, 1), minutes=30, clock=lambda: now[0])
+    now[0] += 30 * 60 - 1
+    assert not saver.time_due()
+    now[0] += 1
+    assert saver.time_due() and not saver.due(7, last=False)  # the step cadence is off: time alone says so
+    saver.save(TrainState(step=7))
+    assert not saver.time_due()  # the clock restarts at a save
+    now[0] += 30 * 60
+    assert saver.time_due()
+    off = Checkpointer(OneProcess(), tmp_path / "off", every=None, at_end=True, keep_last=2,
+                       shape=RunShape(1, "ddp", 1, 1), minutes=None, clock=lambda: now[0])
+    now[0] += 10**6
+    assert not off.time_due()
+
+
+def test_any_rank_clock_makes_every_rank_save():
+    """Each rank's flags go into the step's one all-reduce: one rank's clock saying a save is due (or one rank
+    seeing SIGTERM) sets the flag for all, so no rank waits in a collective save the others skip."""
+    import torch
+
+    from disttrain.training import loop
+
+    class TwoRanks:  # this rank raised nothing; the other rank raised the time flag
+        device, num_processes, gradient_accumulation_steps = torch.device("cpu"), 2, 1
+
+        def reduce(self, tensor, reduction):
+            other = torch.zeros_like(tensor)
+            other[0], other[1 + loop.TIME_DUE] = 5.0, 1.0
+            return tensor + other
+
+    class Units:
+        def units(self, batch):
+            return torch.tensor(float(batch["n"]))
+
+    denominator, flags = loop._window_denominator([{"n": 3}], TwoRanks(), Units(), (False, False))
+    assert float(denominator) == 4.0  # (3 + 5) target tokens / (2 ranks x 1 micro-batch)
+    assert flags.is_set(loop.TIME_DUE) and not flags.is_set(loop.STOP)

@@ -33,6 +33,19 @@ def test_every_shipped_recipe_parses():
             assert "make tiny" in str(exc), f"{path}: {exc}"
 
 
+def test_every_shipped_recipe_states_its_checkpoint_cadence():
+    """A multi-hour run that crashes must not lose everything: each shipped recipe says how often it saves
+    (in its own file, not by the schema's default), and a time cadence is on unless the recipe turns it off."""
+    import yaml
+
+    for path in sorted((REPO / "recipes").rglob("*.yaml")):
+        output = yaml.safe_load(path.read_text())["output"]
+        assert "checkpoint_minutes" in output, f"{path}: output.checkpoint_minutes is not stated"
+        assert output["checkpoint_minutes"] or output.get("checkpoint_every"), f"{path}: no checkpoint cadence"
+    assert load_recipe(REPO / "recipes/tiny/sft.yaml", ["output.checkpoint_minutes=null"]).output.checkpoint_minutes \
+        is None
+
+
 @pytest.mark.parametrize("override, needle", [
     ("training.lrr=1", "training.lrr (set on the command line): unknown key"),
     ("training.lr=fast", "training.lr (set on the command line): Input should be a valid number"),

@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (REPO, assert_ok, free_port, kill_launch, launch, rank_processes, start_launch)
+from conftest import (REPO, assert_ok, base_recipe, free_port, kill_launch, launch, rank_processes, start_launch,
+                      write_recipe)
 from disttrain.tools.diagnose import diagnose
 from disttrain.metrics.log import read_metrics
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, losses, matrix_recipe, small_data,
@@ -95,6 +96,48 @@ def test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_
     resumed = launch("ddp", r, overrides=[f"training.stop_at_step={step + 2}"])
     assert_ok(resumed)
     assert f"step-{step:08d} at step {step}/400" in resumed.stdout
+
+
+def test_the_default_recipe_killed_mid_run_resumes_from_a_checkpoint_it_wrote_by_default(tmp_path):
+    """`make train` as a newcomer types it (the default recipe, nothing about checkpoints on the command line),
+    SIGKILLed as soon as its first checkpoint is complete, as an OOM kill or a lost node ends a run (no handler
+    runs, nothing is flushed): the same command again resumes from that checkpoint and finishes the run."""
+    out = tmp_path / "run"
+    command = ["make", "-s", "train", f"ARGS=output.dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "killed.log").open("w") as log:
+        job = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and job.poll() is None and not (out / "checkpoints").is_dir():
+            time.sleep(0.05)
+        while time.time() < deadline and job.poll() is None and not any(
+                p.name.startswith("step-") for p in (out / "checkpoints").iterdir()):
+            time.sleep(0.05)
+    finally:
+        kill_launch(job)
+    killed_log = (tmp_path / "killed.log").read_text()
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert saved and not (out / "final").exists(), killed_log[-3000:]  # killed mid-run, after a checkpoint
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert_ok(again)
+    resumed = [line for line in again.stdout.splitlines() if line.startswith("resumed from")]
+    assert resumed and f"checkpoints/{saved[-1]} at step {int(saved[-1][5:])}/" in resumed[0], again.stdout[-3000:]
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert (out / "final" / "model.safetensors").is_file() and steps[-1] == int(resumed[0].split("/")[-1])
+
+
+def test_the_time_cadence_alone_writes_checkpoints_mid_run(tmp_path, tiny_model_dir):
+    """output.checkpoint_minutes with no step cadence: checkpoints appear mid-run, each one complete."""
+    r = write_recipe(tmp_path / "r.yaml", base_recipe(
+        tiny_model_dir, tmp_path / "run", training={"max_steps": 30},
+        output={"checkpoint_every": None, "checkpoint_minutes": 0.0005, "checkpoint_at_end": False, "keep_last": 30,
+                "save_final_model": False}))
+    done = launch("single_gpu", r, nproc=1)
+    assert_ok(done)
+    saved = [int(p.name[5:]) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(saved) >= 2 and min(saved) < 30, saved  # a save per ~30 ms of training, the end not asked for
+    assert all((tmp_path / "run" / "checkpoints" / f"step-{s:08d}" / "manifest.json").is_file() for s in saved)
 
 
 LONG_STEPS = 60  # long enough that a rank killed after the first checkpoint (step 10) dies mid-run

@@ -33,7 +33,8 @@ def run_strategy(recipe: str, strategy: str, nproc: int, steps: int, run_dir: Pa
         strategy, nproc, "train.py", "--recipe", recipe, *overrides,
         f"training.max_steps={steps}", f"logging.every_steps={log_every}", "logging.report_to=[none]",
         "training.eval_every=null", "training.stop_at_step=null", f"output.dir={run_dir}", "output.resume=none",
-        "output.checkpoint_every=null", "output.checkpoint_at_end=false", "output.save_final_model=false",
+        "output.checkpoint_every=null", "output.checkpoint_minutes=null", "output.checkpoint_at_end=false",
+        "output.save_final_model=false",
         # what is measured ends with the last step: no samples, model card or plots after it (seconds per launch)
         "logging.samples=0", "output.report=false", launcher_args=launcher_args)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,17 +27,22 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     name_or_path: str = Field(description="Hub id or local dir passed to from_pretrained")
-    revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    tokenizer_name_or_path: str | None = None
-    quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights (needs lora)")
+    revision: str | None = Field(None, description="A Hub branch, tag or commit of the model")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("bfloat16", description="The weights' dtype "
+                                                                     "as loaded (auto: the checkpoint's own)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa", description="transformers' attention kernel (flash_attention_*: the flash-attn package, CUDA)")
+    gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing: each layer's "
+                                         "forward is recomputed in the backward pass (less memory, ~1/3 more compute)")
+    trust_remote_code: bool = Field(False, description="Run the model repository's own Python code: only for "
+                                    "models you trust")
+    tokenizer_name_or_path: str | None = Field(None, description="Another tokenizer than the model's")
+    quantization: Literal["4bit"] | None = Field(None, description="QLoRA: 4-bit NF4 base weights "
+                                                         "(needs a lora section and CUDA)")
     router_aux_loss_coef: float | None = Field(
         None, ge=0.0, description="mixture of experts: train with the router's load-balancing loss at this weight "
         "(turns on the model's output_router_logits; null keeps the model config's choice, off for Qwen3-MoE and "
-        "Mixtral as published)")
+        "Mixtral as published); a dense model is refused in one line")
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference"]
@@ -49,10 +54,11 @@ FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat":
 class _SourceFields(_Section):
     """What one data source says: where its records are, how to read them, and its evaluation data."""
 
-    split: str = "train"
-    eval_path: str | None = None
-    eval_split: str | None = None
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    split: str = Field("train", description="The split to train on (hub datasets)")
+    eval_path: str | None = Field(None, description="Evaluation data: a file in the same format")
+    eval_split: str | None = Field(None, description="Evaluation data: a split of the same dataset")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Evaluation data: this fraction held out of the "
+                                 "training records (seeded)")
     system_prompt: str | None = Field(None, description="System message for conversations that have none")
     columns: dict[str, str] = Field(default_factory=dict, description="format field -> this dataset's column, "
                                     "e.g. {instruction: prompt, output: response}")
@@ -68,7 +74,7 @@ class _SourceFields(_Section):
 
 class SourceSection(_SourceFields):
     path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
-    format: DataFormat
+    format: DataFormat = Field(description="alpaca, chat, sharegpt, text or preference (docs/data.md)")
     name: str | None = Field(None, description="Shown in reports and eval metrics; default: the file's stem")
     weight: float = Field(1.0, gt=0, description="Sampling probability in the mixture (normalised over sources; "
                           "a small source is oversampled, not cut)")
@@ -78,23 +84,29 @@ class SourceSection(_SourceFields):
 
 
 class DataSection(_SourceFields):
-    path: str | None = Field(None, description="One source: a local file or a `datasets` hub name")
-    format: DataFormat | None = None
-    sources: list[SourceSection] | None = Field(None, description="Several sources mixed by weight")
-    max_seq_len: int = Field(2048, ge=16)
-    packing: bool = False
-    text_field: str = "text"
-    messages_field: str = "messages"
+    path: str | None = Field(None, description="One source: a local .jsonl/.json/.parquet file or glob "
+                             "(data/part-*.jsonl), or a `datasets` hub name")
+    format: DataFormat | None = Field(None, description="alpaca, chat, sharegpt, text (docs/data.md) or preference "
+                                      "(DPO pairs, docs/preference.md)")
+    sources: list[SourceSection] | None = Field(None, description="A mixture instead of path/format: a list of "
+                                                "{path, format, name, weight, split, eval_*, columns, roles, "
+                                                "system_prompt}, sampled by weight")
+    max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated")
+    packing: bool = Field(False, description="Several records per row, none attending to another (position ids "
+                          "restart per record)")
+    text_field: str = Field("text", description="format text: the column holding the text")
+    messages_field: str = Field("messages", description="format chat: the column holding the messages")
     concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
                                    "max_seq_len rows (continued pretraining) instead of truncating each")
     chunk_isolate_documents: bool = Field(False, description="with concat_and_chunk: documents in one row do not "
                                           "attend to each other (position ids restart, as in packing)")
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenising; default: the CPUs available "
                                  "(at most 16), one per 20k records")
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded, the same on every rank)")
     streaming: bool = Field(False, description="Read the training data as a stream (local files or the hub): "
                             "tokenised and packed on the fly, each rank its own shards, nothing cached; "
-                            "needs training.max_steps")
+                            "needs training.max_steps (docs/data.md; the configs it is proven under: "
+                            "docs/compatibility.md)")
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -127,22 +139,27 @@ class DataSection(_SourceFields):
 
 
 class TrainingSection(_Section):
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="Passes over the training data (unless max_steps is set)")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs")
     micro_batch_size: int = Field(1, ge=1, description="Sequences per device per forward")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-5, gt=0)
-    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
-    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: the global batch is "
+                            "micro_batch_size x grad_accum x data-parallel processes")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate")
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="The schedule, stepped once per optimizer step")
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Warm-up as a fraction of the optimizer steps")
     warmup_steps: int = Field(0, ge=0, description="Wins over warmup_ratio when > 0")
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    seed: int = 42
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (never on biases and norms)")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (null: no clipping; "
+                                        "the norm is logged either way)")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field("adamw", description="adamw_8bit: bitsandbytes' 8-bit "
+                                                      "states (EXTRAS=test,quant)")
+    adam_beta1: float = Field(0.9, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, description="AdamW beta2")
+    adam_epsilon: float = Field(1e-8, description="AdamW epsilon")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("bf16", description="Autocast precision (no: the "
+                                                           "weights' dtype throughout)")
+    seed: int = Field(42, description="Seeds the data order, initialisation and dropout (resumed exactly)")
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "
                                      "the schedule still runs to the full length on resume")
@@ -150,12 +167,13 @@ class TrainingSection(_Section):
                                                           "hidden states a chunk of target tokens at a time, in fp32, "
                                                           "never holding full-vocabulary logits; plain: transformers' "
                                                           "loss from the full logits; trl: TRL's fused LM head "
-                                                          "(docs/benchmarks.md, 'Loss engines')")
+                                                          "(SFT only; needs trl; docs/benchmarks.md, 'Loss engines')")
     offload_activations: bool = Field(False, description="keep the activations saved for the backward pass in "
                                       "(pinned) host memory instead of GPU memory (torch.autograd.graph."
                                       "save_on_cpu): less GPU memory, slower steps (a copy each way per activation)")
     compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
-                          "compilation through accelerate's TorchDynamoPlugin, inductor backend)")
+                          "compilation through accelerate's TorchDynamoPlugin, inductor backend); proven under "
+                          "one process, DDP and FSDP2, refused under the others unless DISTTRAIN_ALLOW_UNVERIFIED=1")
     neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of scale alpha / "
                                         "sqrt(seq x hidden) on the input embeddings while training (5 is usual)")
     objective: Literal["sft", "dpo"] = Field("sft", description="sft: learn the targets; dpo: preference tuning "
@@ -171,7 +189,8 @@ class PreferenceSection(_Section):
     """training.objective: dpo. Losses as in TRL: sigmoid (DPO), ipo, hinge (with a reference), simpo and orpo
     (reference-free)."""
 
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = Field("sigmoid", description="The DPO-family loss "
+                                                                      "(each checked against TRL's)")
     beta: float = Field(0.1, gt=0, description="DPO/IPO/hinge/SimPO temperature; ORPO: the odds-ratio weight lambda")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid and simpo: the probability that a "
                                    "pair's preference is flipped (conservative DPO)")
@@ -186,16 +205,18 @@ class PreferenceSection(_Section):
 
 
 class LoraSection(_Section):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    r: int = Field(16, ge=1, description="The adapters' rank (a lora section present = LoRA via peft)")
+    alpha: int = Field(32, ge=1, description="Scaling: the update is alpha / r x B A")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapters' input")
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description="Module names to adapt "
+                                                              "(all-linear: every linear layer but the LM head)")
     target_parameters: list[str] | None = Field(
         None, description="parameters (not modules) to adapt, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]: "
         "the experts of a mixture-of-experts block, which transformers stores fused as 3-D tensors (peft's "
-        "target_parameters)")
-    modules_to_save: list[str] | None = None
-    merge_on_export: bool = False
+        "target_parameters; needs dropout: 0 and no DoRA)")
+    modules_to_save: list[str] | None = Field(None, description="Modules trained in full beside the adapters "
+                                              "(e.g. embed_tokens after adding tokens)")
+    merge_on_export: bool = Field(False, description="final/ holds the merged model instead of the adapter")
     use_dora: bool = Field(False, description="DoRA: a learned magnitude per output feature on top of LoRA")
     use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
     init_lora_weights: bool | Literal["gaussian"] = Field(True, description="true: B = 0 (the adapter starts as "
@@ -213,11 +234,14 @@ class LoraSection(_Section):
 
 
 class LoggingSection(_Section):
-    report_to: list[Literal["wandb", "tensorboard", "mlflow", "none"]] = ["none"]
-    every_steps: int = Field(10, ge=1)
-    project: str = "disttrain"
-    run_name: str | None = None
-    samples: int = Field(2, ge=0, description="prompts answered greedily at each evaluation (0: none)")
+    report_to: list[Literal["wandb", "tensorboard", "mlflow", "none"]] = Field(
+        ["none"], description="Trackers beside metrics.jsonl: wandb (offline without an API key), tensorboard, "
+        "mlflow (EXTRAS=test,mlflow; MLFLOW_TRACKING_URI says where)")
+    every_steps: int = Field(10, ge=1, description="Optimizer steps per metrics line")
+    project: str = Field("disttrain", description="The trackers' project name")
+    run_name: str | None = Field(None, description="The trackers' run name (default: from output.dir)")
+    samples: int = Field(2, ge=0, description="Prompts (the first eval rows) answered greedily at each evaluation "
+                         "and at the end, logged to metrics.jsonl and the trackers (0: none)")
     sample_tokens: int = Field(24, ge=1, description="tokens generated per sample")
 
 
@@ -226,17 +250,22 @@ RUN_PLACEHOLDERS = ("strategy", "processes")
 
 class OutputSection(_Section):
     dir: str = Field(description="Where the run writes; {strategy} (the accelerate config's name: single, ddp, "
-                     "fsdp, fsdp_offload, zero1/2/3, zero3_offload) and {processes} are filled in at launch, so "
-                     "runs of the same recipe under other strategies or world sizes get their own directories")
-    save_final_model: bool = True
-    checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints")
-    checkpoint_at_end: bool = True
+                     "fsdp, hsdp, zero3, ...) and {processes} are filled in at launch, so runs of the same recipe "
+                     "under other strategies or world sizes get their own directories")
+    save_final_model: bool = Field(True, description="Export the trained model (or adapter) to final/ with its "
+                                   "tokenizer and model card")
+    checkpoint_every: int | None = Field(None, ge=1, description="Optimizer steps between checkpoints (beside "
+                                         "checkpoint_minutes; null: none by step count)")
+    checkpoint_minutes: float | None = Field(30.0, gt=0, description="Wall-clock minutes between checkpoints, "
+                                             "counted from the start (or resume) and from each save: a crash loses "
+                                             "at most this much training. null: only checkpoint_every and the end")
+    checkpoint_at_end: bool = Field(True, description="A checkpoint after the last step too")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk")
     report: bool = Field(True, description="At the end, the model card (final/README.md) and plots/ (rank 0, a few "
                          "seconds); off, `make report RUN=<dir>` writes them later from the run's files")
     resume: str = Field("auto", description="auto (newest in output.dir/checkpoints), none, or a checkpoint dir")
     push_to_hub: str | None = Field(None, description="a Hub repo id (org/name): the final model and its card are "
-                                    "uploaded at the end (a token is checked before training)")
+                                    "uploaded to a private repo at the end (a token is checked before training)")
 
     @field_validator("push_to_hub")
     @classmethod
@@ -272,9 +301,11 @@ class EvaluationSection(_Section):
     every_steps: int | None = Field(None, ge=1, description="Score the checkpoint written at every multiple of this "
                                     "many steps (a multiple of output.checkpoint_every): the main process rebuilds "
                                     "the model from it while the other ranks wait")
-    limit: int | None = Field(None, ge=1, description="At most this many examples per task: keep it cheap")
+    limit: int | None = Field(None, ge=1, description="At most this many examples per task: keep it cheap. "
+                              "Scores land in metrics.jsonl as `lm_eval/<task>/<metric>` (docs/evaluation.md)")
     include: list[str] = Field(default_factory=list, description="Directories of your own task YAMLs")
-    chat_template: Literal["auto", "yes", "no"] = "auto"
+    chat_template: Literal["auto", "yes", "no"] = Field("auto", description="Wrap prompts in the chat template "
+                                                        "(auto: when the tokenizer has one)")
     batch_size: int | Literal["auto"] = Field(8, description="lm-eval's batch size (auto: it probes the largest)")
     wait_s: int = Field(21600, ge=1, description="How long the other ranks wait for the main process's scoring: "
                         "they poll the process group's store, outside any collective, so distributed.timeout_s "

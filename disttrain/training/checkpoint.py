@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -328,22 +329,30 @@ def resume_point(output, shape: RunShape) -> tuple[Path | None, dict | None]:
 
 
 class Checkpointer:
-    """What the loop needs: when to save, and how."""
+    """What the loop needs: when to save, and how. Saves come every `every` optimizer steps, every `minutes` of
+    wall-clock time since the loop started or last saved (so a crash loses at most that much), and at the end."""
 
     def __init__(self, accelerator, output_dir: str | Path, every: int | None, at_end: bool, keep_last: int,
-                 shape: RunShape, rank_state=None, expected_bytes: int | None = None):
+                 shape: RunShape, rank_state=None, expected_bytes: int | None = None, minutes: float | None = None,
+                 clock=time.monotonic):
         self.accelerator, self.output_dir, self.every, self.at_end = accelerator, output_dir, every, at_end
-        self.keep_last, self.shape = keep_last, shape
+        self.keep_last, self.shape, self.minutes, self.clock = keep_last, shape, minutes, clock
         self.rank_state = rank_state  # () -> this rank's data position, or None (map-style data)
         self.last_saved: Path | None = None
-        if expected_bytes and (every or at_end) and accelerator.is_main_process:
+        self.since = clock()
+        if expected_bytes and (every or minutes or at_end) and accelerator.is_main_process:
             warn_if_short_of_space(accelerator, output_dir, expected_bytes)
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.every and step % self.every == 0) or (last and self.at_end)
 
+    def time_due(self) -> bool:
+        """This rank's clock says a save is due; the loop saves on every rank when any rank's clock says so."""
+        return self.minutes is not None and self.clock() - self.since >= self.minutes * 60
+
     def save(self, train_state) -> Path:
         self.last_saved = save(self.accelerator, self.output_dir, train_state, self.shape, self.keep_last,
                                self.rank_state() if self.rank_state else None)
+        self.since = self.clock()
         self.accelerator.print(f"checkpoint: {self.last_saved}")
         return self.last_saved

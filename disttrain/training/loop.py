@@ -38,6 +38,7 @@ class TrainState:
 
 
 _stop_requested = False
+STOP, TIME_DUE = 0, 1  # the flags every rank raises into the step's all-reduce
 
 
 def request_stop(*_signal_args) -> None:
@@ -46,36 +47,39 @@ def request_stop(*_signal_args) -> None:
     _stop_requested = True
 
 
-def _window_denominator(window: list[dict], accelerator, objective: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce of (target tokens -- or pairs -- in this window, stop requested): one small collective per
-    step. Both results stay on the device; the stop flag is read through _FlagOnHost at the end of the step."""
+def _window_denominator(window: list[dict], accelerator, objective: TokenLoss,
+                        flags: tuple[bool, ...]) -> tuple[torch.Tensor, "_FlagsOnHost"]:
+    """All-reduce of (target tokens -- or pairs -- in this window, then this rank's flags): one small collective
+    per step. A flag is set for all ranks when any rank sets it (SIGTERM reached one rank, one rank's clock says a
+    checkpoint is due), so every rank takes the same branch. The denominator stays on the device; the flags are
+    read through _FlagsOnHost at the end of the step."""
     targets = sum(objective.units(b) for b in window).to(accelerator.device, torch.float32)
-    stop = torch.full((), float(_stop_requested), device=targets.device)  # a fill, not a host-to-device copy
-    total = accelerator.reduce(torch.stack([targets, stop]), reduction="sum")
+    raised = [torch.full((), float(flag), device=targets.device) for flag in flags]  # fills, not host-to-device copies
+    total = accelerator.reduce(torch.stack([targets, *raised]), reduction="sum")
     # scale so that accelerate's /grad_accum and the strategy's mean over ranks are undone
     denominator = total[0].clamp(min=1.0) / (accelerator.num_processes * accelerator.gradient_accumulation_steps)
-    return denominator, total[1]
+    return denominator, _FlagsOnHost(total[1:])
 
 
-class _FlagOnHost:
-    """A device flag brought to the host without waiting for the kernels queued after it. `bool(t)` on a GPU
+class _FlagsOnHost:
+    """Device flags brought to the host without waiting for the kernels queued after them. `bool(t)` on a GPU
     tensor waits for everything queued so far (the whole step, once its backward is queued); this copy waits
-    only for the collective that produced the flag, so reading it at the end of a step leaves the next step's
-    kernels queued behind the running ones. On a CPU the value is read directly."""
+    only for the collective that produced the flags, so reading them at the end of a step leaves the next step's
+    kernels queued behind the running ones. On a CPU the values are read directly."""
 
-    def __init__(self, flag: torch.Tensor):
+    def __init__(self, flags: torch.Tensor):
         self._done = None
-        self._value = flag
-        if flag.device.type == "cuda":
-            self._value = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            self._value.copy_(flag, non_blocking=True)
+        self._values = flags
+        if flags.device.type == "cuda":
+            self._values = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._values.copy_(flags, non_blocking=True)
             self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(flag.device))
+            self._done.record(torch.cuda.current_stream(flags.device))
 
-    def is_set(self) -> bool:
+    def is_set(self, index: int) -> bool:
         if self._done is not None:
             self._done.synchronize()
-        return bool(self._value > 0)
+        return bool(self._values[index] > 0)
 
 
 def _activation_storage(cfg, device: torch.device):
@@ -244,8 +248,9 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
                 guards.at("checking the chunked loss against the model's own loss", step)
                 window.timed_apart(lambda: token_loss.check_against_model(accelerator, model, micro_batches[0]))
             guards.at("all_reduce of the step's target-token count", step)
-            denominator, stop_flag = _window_denominator(micro_batches, accelerator, token_loss)
-            stop_requested = _FlagOnHost(stop_flag)
+            denominator, flags = _window_denominator(
+                micro_batches, accelerator, token_loss,
+                (_stop_requested, checkpointer is not None and checkpointer.time_due()))
             guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
             for batch in micro_batches:
                 with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
@@ -263,9 +268,9 @@ def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, 
             if progress is not None:
                 progress()
             last = state.step >= total_steps
-            stop = stop_requested.is_set() or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step
-                                               and not last)
-            save = checkpointer is not None and (checkpointer.due(state.step, last) or stop)
+            stop = flags.is_set(STOP) or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step
+                                          and not last)
+            save = checkpointer is not None and (checkpointer.due(state.step, last) or flags.is_set(TIME_DUE) or stop)
             if state.step % log_every == 0 or last or save:
                 guards.at("gathering metrics from all ranks", step)
                 summary = window.summarize(accelerator, token_loss.unit_name)

@@ -1,0 +1,86 @@
+"""The docs stay true: every command they show runs as written (tests/docs_commands.py), and the generated
+parts (the recipe field reference, the compatibility matrix: tests/test_matrix.py) equal what generates them."""
+
+import pytest
+
+from docs_commands import DOCS, Repo, check, commands_in
+from disttrain.recipe import reference
+
+
+@pytest.fixture(scope="module")
+def repo() -> Repo:
+    return Repo.read()
+
+
+def test_every_command_in_the_docs_runs_as_written(repo):
+    commands = [command for page in DOCS for command in commands_in(page)]
+    assert len(commands) > 200 and {c.page for c in commands} >= {"README.md", "docs/strategies.md"}
+    problems = check(commands, repo)
+    assert not problems, "\n".join(map(str, problems))
+
+
+BROKEN = """
+Commands a user would copy, each broken as the docs once were:
+
+```bash
+make cost --bench bench/results.json
+make diagnose outputs/tiny-sft/ddp-2
+make trian
+make train TRAIN_STEPS=3
+make train ARGS='training.lrr=1'
+make cost ARGS='--recipe recipes/tiny/sft.yaml --gpuz H100'
+python -m disttrain.tools.nope
+.venv/bin/python train.py --recipe recipes/tiny/nope.yaml
+accelerate launch --config_file accelerate_configs/nope.yaml train.py --recipe recipes/tiny/sft.yaml
+accelerate launch --confg accelerate_configs/ddp.yaml train.py --recipe recipes/tiny/sft.yaml
+make preflight RECIPE=recipes/mistral-7b/lora_sft.yaml
+python -c "from disttrain.data import tokenize_recrd"
+```
+
+And inline: `make report RUN=outputs/a` is fine, `make bench-memory ARGS='training.compile=true'` is not,
+nor is `python -m disttrain.tools.cost --params 7e9 --gpu-count
+8`.
+"""
+
+EXPECTED = [
+    "make does not take --bench: a program's flags go in ARGS='--bench ...'",
+    "no make target 'bench/results.json' (make reads a bare word as a target: give it as VAR=value)",
+    "no make target 'outputs/tiny-sft/ddp-2' (make reads a bare word as a target: give it as VAR=value)",
+    "no make target 'trian'",
+    "make variable TRAIN_STEPS is read by neither the Makefile nor the code",
+    "no recipe field training.lrr",
+    "disttrain.tools.cost has no option --gpuz",
+    "no module disttrain.tools.nope",
+    "no such file or directory: recipes/tiny/nope.yaml",
+    "no config file accelerate_configs/nope.yaml",
+    "accelerate launch has no option --confg",
+    "no such file or directory: recipes/mistral-7b/lora_sft.yaml",
+    "disttrain.data has no tokenize_recrd",
+    "disttrain.bench.memory: unrecognized arguments: training.compile=true",
+    "disttrain.tools.cost has no option --gpu-count",
+]
+
+
+def test_a_broken_command_is_named_with_its_page_line_and_what_is_wrong(repo, tmp_path):
+    page = tmp_path / "broken.md"
+    page.write_text(BROKEN)
+    problems = check(commands_in(page), repo)
+    assert [p.what for p in problems] == EXPECTED, "\n".join(map(str, problems))
+    assert str(problems[0]) == "broken.md:5: `make cost --bench bench/results.json`: " + EXPECTED[0]
+    assert str(problems[-1]).startswith("broken.md:20: `python -m disttrain.tools.cost --params 7e9 --gpu-count 8`")
+
+
+def test_a_command_made_true_by_an_earlier_one_on_the_page_passes(repo, tmp_path):
+    page = tmp_path / "ok.md"
+    page.write_text("`mkdir -p recipes/mine && cp recipes/tiny/sft.yaml recipes/mine/sft.yaml`, then "
+                    "`make preflight RECIPE=recipes/mine/sft.yaml STRATEGY=zero3`.\n")
+    assert check(commands_in(page), repo) == []
+
+
+def test_the_recipe_field_reference_is_generated_from_the_schema():
+    assert reference.DOC.read_text() == reference.rendered(reference.DOC.read_text()), "run `make docs`"
+    from disttrain.recipe.schema import Recipe
+    fields = [f"{section}.{name}" for section, info in Recipe.model_fields.items()
+              for name in reference._section_class(info.annotation).model_fields]
+    missing = [f for f in fields if f"`{f}`" not in reference.DOC.read_text()]
+    assert not missing and len(fields) > 90, missing
