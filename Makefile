@@ -5,11 +5,17 @@ PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 ACCELERATE  := $(VENV)/bin/accelerate
-# CPU build by default (small, fast to install). GPU machines: TORCH_SPEC=torch (or torch==X.Y.Z) and,
-# if needed, TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# What the last `make setup` installed with: a plain `make train` afterwards keeps it, and only new values of
+# TORCH_SPEC, TORCH_INDEX or EXTRAS install again
+-include $(VENV)/install-args.mk
+# torch as pip finds it: the CUDA build from PyPI on a stock Linux machine, the small CPU build where the index
+# serves one first (TORCH_INDEX=https://download.pytorch.org/whl/cpu asks for it); CUDA builds for a driver:
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS      ?= test
+# GPU=1: the install must be a CUDA build of torch (setup checks it; default: 1 where nvidia-smi lists a GPU)
+GPU         ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo 1 || echo 0)
 
 RECIPE      ?= recipes/tiny/sft.yaml
 STRATEGY    ?= ddp
@@ -89,14 +95,16 @@ help: ## list targets and variables
 	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
-	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  EXTRAS=$(EXTRAS)"
+	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  TORCH_INDEX=$(TORCH_INDEX)  EXTRAS=$(EXTRAS)"
+	@echo "           GPU=$(GPU) (setup: 1 = the install must be a CUDA build of torch; default from nvidia-smi)"
 	@echo "           LOG=path (diagnose: a log file, a directory of rank logs, or a run's output dir)"
 	@echo "           RUN='outputs/tiny-sft/ddp-2 ...' (report: run output dirs; eval: one run, checkpoint, model or adapter dir)"
 	@echo "           CHECKPOINT=<run>/checkpoints/step-N OUT=dir (export)"
 	@echo "           TASKS=$(TASKS) BASE=1 LIMIT=n INCLUDE=dir (eval: lm-eval tasks, the base model too, examples per task, your task YAMLs)"
 
 # The install follows its arguments: one stamp per (TORCH_SPEC, TORCH_INDEX, EXTRAS), so `make setup
-# TORCH_SPEC=torch EXTRAS=test,tracking` after a first `make train` installs again instead of "Nothing to be done"
+# TORCH_SPEC=torch EXTRAS=test,tracking` after a first `make train` installs again instead of "Nothing to be done";
+# install-args.mk records them, so the next plain `make train` or `make test` keeps that install
 INSTALL_ARGS := torch: $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)), extras: [$(EXTRAS)]
 INSTALLED    := $(VENV)/.installed-$(shell printf '%s' '$(INSTALL_ARGS)' | cksum | cut -d' ' -f1)
 
@@ -110,7 +118,11 @@ $(INSTALLED): pyproject.toml
 	@# the editable package's bytecode, once: with PYTHONDONTWRITEBYTECODE=1 (CI) every launched process would
 	@# otherwise compile disttrain/ from source again (~0.1 s each, ~190 launches x 3 processes in `make test`)
 	$(PY) -m compileall -q disttrain
+	@# a CPU build on a GPU machine would train on the CPU: stop here (no stamp, so the next setup installs again)
+	$(PY) -m disttrain.tools.doctor --torch-build $(if $(filter 1,$(GPU)),--expect-gpu)
 	rm -f $(VENV)/.installed-*
+	printf 'TORCH_SPEC ?= %s\nTORCH_INDEX ?= %s\nEXTRAS ?= %s\n' '$(TORCH_SPEC)' '$(TORCH_INDEX)' '$(EXTRAS)' \
+		> $(VENV)/install-args.mk
 	echo '$(INSTALL_ARGS)' > $@
 
 tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests

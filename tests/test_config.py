@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,33 @@ def test_setup_installs_again_when_its_arguments_change():
     again = dry_run("TORCH_SPEC=torch", "EXTRAS=test,tracking")
     assert "pip install -q torch " in again and 'pip install -q -e ".[test,tracking]"' in again
     assert "setup: installing torch: torch, extras: [test,tracking]" in again
+    # after installing, setup checks the build suits the machine: GPU=1 (or nvidia-smi's GPUs) wants CUDA
+    assert "disttrain.tools.doctor --torch-build --expect-gpu" in dry_run("TORCH_SPEC=torch", "GPU=1")
+    assert "disttrain.tools.doctor --torch-build" in [" ".join(line.split()[-2:]) for line in
+                                                      dry_run("TORCH_SPEC=torch", "GPU=0").splitlines()]
+
+
+def test_a_plain_make_keeps_what_the_last_setup_installed(tmp_path):
+    """After `make setup EXTRAS=test,tracking`, a plain `make train` or `make test` (default EXTRAS) must not
+    install again with the defaults (minutes each time, and the trackers' extra seemingly lost)."""
+    import re
+    import subprocess
+
+    from conftest import REPO
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "install-args.mk").write_text("TORCH_SPEC ?= torch==2.13.0\nTORCH_INDEX ?= \nEXTRAS ?= test,tracking\n")
+
+    def dry_run(*variables):
+        return subprocess.run(["make", "-n", "setup", f"VENV={venv}", *variables], cwd=REPO, capture_output=True,
+                              text=True, timeout=60).stdout
+
+    stamp = re.search(r"> (\S+/\.installed-\d+)$", dry_run(), re.M).group(1)
+    assert "extras: [test,tracking]" in dry_run()  # the recorded arguments, not the Makefile's defaults
+    Path(stamp).write_text("torch: torch==2.13.0, extras: [test,tracking]\n")
+    assert "pip install" not in dry_run()
+    assert 'pip install -q -e ".[test]"' in dry_run("EXTRAS=test")  # asked for anew: installs again
 
 
 def test_lora_on_lm_head_with_the_chunked_loss_is_one_line_before_anything_loads():

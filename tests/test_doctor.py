@@ -127,3 +127,28 @@ def test_accelerate_default_config_is_flagged(monkeypatch, tmp_path):
     checks = {c.name: c for c in doctor.check_accelerate_defaults()}
     assert checks["accelerate default config"].status == "WARN"
     assert "ACCELERATE_MIXED_PRECISION" in checks["accelerate environment"].detail
+
+
+@pytest.mark.parametrize("cuda, gpus, expect_gpu, status, needle", [
+    (None, 8, False, "FAIL", "torch 2.13.0+cpu is a CPU build but this machine has 8 NVIDIA GPU(s) (nvidia-smi)"),
+    (None, 0, True, "FAIL", "is a CPU build but GPU=1 asks for a CUDA build"),
+    (None, 0, False, "PASS", "torch 2.13.0+cpu, a CPU build (no NVIDIA GPU here)"),
+    ("12.8", 0, False, "PASS", "a CUDA 12.8 build (no NVIDIA GPU here: it runs on the CPU; the smaller CPU build: "
+                               "make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu)"),
+    ("12.8", 8, True, "PASS", "a CUDA 12.8 build, 8 NVIDIA GPU(s)"),
+])
+def test_a_cpu_torch_on_a_gpu_machine_is_named_in_one_line(monkeypatch, cuda, gpus, expect_gpu, status, needle):
+    """The trap: `make train` installed the CPU build, the user moved to the GPU machine and trained on its CPU."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    check = doctor.check_torch_build(gpus, expect_gpu)
+    assert check.status == status and needle in check.detail
+    assert ("make setup GPU=1 TORCH_INDEX=https://download.pytorch.org/whl/cu128" in check.fix) == (status == "FAIL")
+
+
+def test_setup_stops_on_a_cpu_torch_where_a_gpu_is_wanted(capsys):
+    assert doctor.main(["--torch-build", "--expect-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("setup: torch ") and "Fix: make setup GPU=1" in err

@@ -47,15 +47,48 @@ def _version(dist_name: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- software
+CUDA_INSTALL = "make setup GPU=1 TORCH_INDEX=https://download.pytorch.org/whl/cu128 (a CUDA build: the cuXYZ at or " \
+    "below nvidia-smi's 'CUDA Version')"
+CPU_INSTALL = "make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+
+
+def nvidia_gpus() -> int:
+    """GPUs the NVIDIA driver lists (nvidia-smi -L), whatever torch was built for; 0 without a driver."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def check_torch_build(gpus: int, expect_gpu: bool = False) -> Check:
+    """A CPU build of torch on a machine with NVIDIA GPUs (or where GPU=1 asks for CUDA) trains on the CPU:
+    say so before the first run, not on it. A CUDA build without GPUs works, it is only large."""
+    import torch
+
+    version, cuda = torch.__version__, torch.version.cuda
+    if cuda is None and (gpus or expect_gpu):
+        where = f"this machine has {gpus} NVIDIA GPU(s) (nvidia-smi)" if gpus else "GPU=1 asks for a CUDA build"
+        return Check("torch", FAIL, f"torch {version} is a CPU build but {where}: training would run on the "
+                     "CPU", CUDA_INSTALL)
+    if cuda is None:
+        return Check("torch", PASS, f"torch {version}, a CPU build (no NVIDIA GPU here)")
+    if not gpus:
+        return Check("torch", PASS, f"torch {version}, a CUDA {cuda} build (no NVIDIA GPU here: it runs on the "
+                     f"CPU; the smaller CPU build: {CPU_INSTALL})")
+    return Check("torch", PASS, f"torch {version}, a CUDA {cuda} build, {gpus} NVIDIA GPU(s)")
+
+
 def check_torch() -> list[Check]:
     import torch
 
-    checks = [Check("python", PASS, sys.version.split()[0]),
-              Check("torch", PASS, f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")]
+    checks = [Check("python", PASS, sys.version.split()[0]), check_torch_build(nvidia_gpus())]
     if not torch.cuda.is_available():
-        fix = ("install a CUDA build (make setup TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu128)"
-               if torch.version.cuda is None else "no GPU visible: check nvidia-smi and CUDA_VISIBLE_DEVICES")
-        checks.append(Check("gpu", WARN, "no CUDA GPU: runs use CPU processes over gloo (tests, preflight)", fix))
+        if torch.version.cuda is not None:
+            checks.append(Check("gpu", WARN, "no CUDA GPU visible: runs use CPU processes over gloo",
+                                "check nvidia-smi and CUDA_VISIBLE_DEVICES"))
+        elif checks[-1].status == PASS:
+            checks.append(Check("gpu", WARN, "no CUDA GPU: runs use CPU processes over gloo (tests, preflight)"))
         return checks
     driver, driver_cuda = _driver_versions()
     runtime = torch.version.cuda
@@ -387,7 +420,16 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the collective bandwidth test")
     parser.add_argument("--timeout-s", type=int, default=300)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--torch-build", action="store_true", help="only check that torch's build suits this "
+                        "machine (make setup runs it after installing)")
+    parser.add_argument("--expect-gpu", action="store_true", help="with --torch-build: a CUDA build is wanted even "
+                        "where nvidia-smi lists no GPU (make setup GPU=1, e.g. on a login node)")
     args = parser.parse_args(argv)
+    if args.torch_build:
+        check = check_torch_build(nvidia_gpus(), args.expect_gpu)
+        print(f"setup: {check.detail}" + (f". Fix: {check.fix}" if check.fix else ""),
+              file=sys.stderr if check.status == FAIL else sys.stdout)
+        return 1 if check.status == FAIL else 0
 
     output_dir, keep_last = args.output_dir, 2
     if args.recipe:

@@ -31,7 +31,7 @@ def build_optimizer(model, cfg: TrainingSection) -> torch.optim.Optimizer:
             import bitsandbytes as bnb
         except ImportError:
             raise DisttrainError("training.optimizer=adamw_8bit needs bitsandbytes: pip install bitsandbytes "
-                                 "(or `make setup EXTRAS=quant`), or use training.optimizer=adamw") from None
+                                 "(or `make setup EXTRAS=test,quant`), or use training.optimizer=adamw") from None
         return bnb.optim.AdamW8bit(groups, **common)
     return torch.optim.AdamW(groups, **common)
 
