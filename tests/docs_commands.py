@@ -79,7 +79,8 @@ def _span_commands(page: str, prose: list[tuple[int, str]]) -> list[Command]:
     found = []
     for match in re.finditer(r"`([^`]+)`", text):
         span = " ".join(match.group(1).split())
-        if span.split(" ", 1)[0] in COMMAND_WORDS and " " in span:
+        command = re.sub(r"^([A-Z_]+=\S+ )+", "", span)  # STRATEGY=hsdp sbatch ...
+        if command.split(" ", 1)[0] in COMMAND_WORDS and " " in command:
             found.append(Command(page, first + text[:match.start()].count("\n"), span))
     return found
 
@@ -245,6 +246,9 @@ def _check_one(text: str, repo: Repo, created: set[str]) -> list[str]:
         return [f"cannot be split as a shell would: {exc}"]
     problems = []
     for words in simple:
+        while len(words) > 1 and re.match(r"^[A-Z_]+=", words[0]):  # STRATEGY=hsdp sbatch ...: the environment
+            problems += _check_paths(words[:1], created)
+            words = words[1:]
         head = Path(words[0]).name if words[0].startswith(".venv/") else words[0]
         if head == "make":
             problems += _check_make(words[1:], repo, created)

@@ -35,6 +35,7 @@ accelerate launch --config_file accelerate_configs/nope.yaml train.py --recipe r
 accelerate launch --confg accelerate_configs/ddp.yaml train.py --recipe recipes/tiny/sft.yaml
 make preflight RECIPE=recipes/mistral-7b/lora_sft.yaml
 python -c "from disttrain.data import tokenize_recrd"
+STRATEGY=hsdp RECIPE=recipes/nope.yaml sbatch --nodes=2 scripts/slurm/nope.sbatch
 ```
 
 And inline: `make report RUN=outputs/a` is fine, `make bench-memory ARGS='training.compile=true'` is not,
@@ -56,6 +57,8 @@ EXPECTED = [
     "accelerate launch has no option --confg",
     "no such file or directory: recipes/mistral-7b/lora_sft.yaml",
     "disttrain.data has no tokenize_recrd",
+    "no such file or directory: recipes/nope.yaml",
+    "no such file or directory: scripts/slurm/nope.sbatch",
     "disttrain.bench.memory: unrecognized arguments: training.compile=true",
     "disttrain.tools.cost has no option --gpu-count",
 ]
@@ -67,7 +70,7 @@ def test_a_broken_command_is_named_with_its_page_line_and_what_is_wrong(repo, tm
     problems = check(commands_in(page), repo)
     assert [p.what for p in problems] == EXPECTED, "\n".join(map(str, problems))
     assert str(problems[0]) == "broken.md:5: `make cost --bench bench/results.json`: " + EXPECTED[0]
-    assert str(problems[-1]).startswith("broken.md:20: `python -m disttrain.tools.cost --params 7e9 --gpu-count 8`")
+    assert str(problems[-1]).startswith("broken.md:21: `python -m disttrain.tools.cost --params 7e9 --gpu-count 8`")
 
 
 def test_a_command_made_true_by_an_earlier_one_on_the_page_passes(repo, tmp_path):

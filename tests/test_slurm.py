@@ -54,3 +54,31 @@ def test_the_log_dir_slurm_writes_to_ships_with_the_repository():
     assert "#SBATCH --output=logs/" in text
     tracked = subprocess.run(["git", "ls-files", "logs"], cwd=REPO, capture_output=True, text=True).stdout
     assert "logs/.gitkeep" in tracked
+
+
+@pytest.mark.launch
+def test_the_shipped_hsdp_recipes_slurm_job_trains_on_two_loopback_nodes(tmp_path):
+    """`STRATEGY=hsdp RECIPE=recipes/qwen2.5-32b/full_sft_hsdp.yaml sbatch --nodes=2 scripts/slurm/train.sbatch`,
+    run as SLURM runs it on 2 "nodes" of this machine (tests/fake_slurm: srun starts one task per node with its
+    SLURM_PROCID, scontrol names the nodes): the recipe shrunk as `make preflight` shrinks it, 2 nodes x 2 CPU
+    processes, HSDP replicating across the nodes and sharding within each. It trains, checkpoints and exports."""
+    from conftest import free_port
+    from disttrain.metrics.log import read_metrics
+    from disttrain.recipe.schema import load_recipe
+    from disttrain.tools.preflight import build_shrunk_model, cpu_overrides
+
+    shipped = "recipes/qwen2.5-32b/full_sft_hsdp.yaml"
+    model_dir, _ = build_shrunk_model(load_recipe(REPO / shipped), tmp_path / "model")
+    overrides, _ = cpu_overrides(load_recipe(REPO / shipped), model_dir, tmp_path / "run", steps=3)
+    env = {**os.environ, "PATH": f"{REPO / 'tests' / 'fake_slurm'}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "2", "STRATEGY": "hsdp",
+           "RECIPE": shipped, "ARGS": " ".join(overrides + ["logging.samples=0", "output.report=false"]),
+           "MASTER_PORT": str(free_port()), "RDZV_TIMEOUT": "120", "FAKE_SLURM_LOGS": str(tmp_path)}
+    env.pop("MASTER_ADDR", None)  # from scontrol, as on a cluster
+    job = subprocess.run(["bash", "scripts/slurm/train.sbatch"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    logs = [(tmp_path / f"task-{rank}.log").read_text() for rank in (0, 1)]
+    assert job.returncode == 0, job.stderr[-2000:] + "\n".join(log[-3000:] for log in logs)
+    assert "mesh=dp_replicate=2,dp_shard=2" in logs[0] and "processes=4" in logs[0], logs[0][-3000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert steps == [1, 2, 3] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
