@@ -233,9 +233,10 @@ mesh-flags: ## print the parallelism flags `accelerate launch` needs for STRATEG
 matrix: setup ## regenerate docs/compatibility.md from the feature x config declaration (disttrain/recipe/matrix.py)
 	$(PY) -m disttrain.recipe.matrix
 
-docs: setup ## regenerate the generated docs: recipe fields (docs/recipes.md, from the schema) and the matrix
+docs: setup ## regenerate the generated docs: recipe fields (from the schema), the matrix, the GPU acceptance items
 	$(PY) -m disttrain.recipe.reference
 	$(PY) -m disttrain.recipe.matrix
+	$(PY) scripts/gpu/acceptance.py --write-docs docs/gpu.md
 
 test: tiny ## the whole suite, what CI runs: unit tests + multi-process launches on CPU, workers forked warm (TEST_JOBS processes)
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)

@@ -275,3 +275,14 @@ def test_fsdp_tp_rows_shard_states_over_every_gpu_or_one_replica_and_split_activ
     tp_alone = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["tp"]
     assert rows["fsdp_tp"]["activations_gb"] == rows["hsdp_tp"]["activations_gb"] == tp_alone["activations_gb"]
     assert rows["fsdp_tp"]["activations_gb"] < rows["fsdp"]["activations_gb"]
+
+
+def test_a_plan_that_fits_only_tightly_is_not_recommended_over_one_with_room(capsys):
+    """Qwen3-30B-A3B LoRA on 8 x H100: DDP's replicas need 74.6 of 80 GB (fits the allocator, 1.4 GB left);
+    the planner recommended it while the recipe's comment called it too tight. Now: FSDP2, with room."""
+    main(["--recipe", str(REPO / "recipes/qwen3-30b-a3b/lora_sft.yaml"), "--tokens", "1e8", "--gpu", "H100",
+          "--gpus", "8", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["ddp"]["fits"] and rows["ddp"]["tight"] and not rows["fsdp"]["tight"]
+    assert result["recommended"] == "fsdp"

@@ -1,6 +1,8 @@
 """The docs stay true: every command they show runs as written (tests/docs_commands.py), and the generated
 parts (the recipe field reference, the compatibility matrix: tests/test_matrix.py) equal what generates them."""
 
+import json
+
 import pytest
 
 from docs_commands import DOCS, Repo, check, commands_in
@@ -87,3 +89,68 @@ def test_the_recipe_field_reference_is_generated_from_the_schema():
               for name in reference._section_class(info.annotation).model_fields]
     missing = [f for f in fields if f"`{f}`" not in reference.DOC.read_text()]
     assert not missing and len(fields) > 90, missing
+
+
+def test_the_gpu_acceptance_items_in_the_docs_are_the_scripts_items(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    copy = tmp_path / "gpu.md"
+    shutil.copy(REPO / "docs/gpu.md", copy)
+    subprocess.run([sys.executable, str(REPO / "scripts/gpu/acceptance.py"), "--write-docs", str(copy)], check=True,
+                   cwd=REPO, timeout=120)
+    assert copy.read_text() == (REPO / "docs/gpu.md").read_text(), "run `make docs`"
+    rows = [line for line in copy.read_text().splitlines() if line.startswith("| `")]
+    assert len(rows) > 25 and all(line.split(" | ")[1].strip() for line in rows)  # every item says what it checks
+
+
+# what the README's "suggested strategy" column calls each config
+SHOWN_AS = {"ddp": "DDP", "fsdp": "FSDP2", "zero1": "ZeRO-1", "zero3": "ZeRO-3", "hsdp": "HSDP",
+            "zero3_ulysses": "Ulysses", "fsdp_cp": "context parallelism"}
+MESHES = ("hsdp", "zero3_ulysses", "fsdp_cp", "tp", "fsdp_tp")  # what they buy (locality, sequence) is not priced
+
+
+def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
+    """Each shipped recipe launches (the first `make train-*` of its header) with a strategy that `make cost`
+    finds fitting with room on the hardware of that line, at most 10% dearer than the planner's pick (mesh
+    strategies: fitting; the planner does not price what they buy); the README's table suggests that strategy;
+    SLURM's default strategy is the default recipe's."""
+    import re
+    import shlex
+
+    from conftest import REPO
+    from disttrain.tools.cost import main
+
+    readme = (REPO / "README.md").read_text()
+    suggested = dict(re.findall(r"^\| `(recipes/[^`]+)` \| [^|]+ \| ([^|]+) \|$", readme, re.M))
+    checked = []
+    for path in sorted((REPO / "recipes").rglob("*.yaml")):
+        header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+        launch = re.search(r"make train-([a-z0-9-]+) (?:NODES=(\d+) )?GPUS=(\d+)", header)
+        if path.parent.name == "tiny":
+            continue
+        name = str(path.relative_to(REPO))
+        assert launch, f"{name}: its header shows no `make train-<strategy> GPUS=N` line"
+        strategy, gpus = launch.group(1).replace("-", "_"), int(launch.group(3)) * int(launch.group(2) or 1)
+        planned = re.search(r"make cost ARGS='([^']+)'", header)
+        args = shlex.split(planned.group(1)) if planned else ["--recipe", name, "--gpus", str(gpus)]
+        args += [] if "--tokens" in args else ["--tokens", "1e8"]
+        args += [] if "--gpu" in args else ["--gpu", "H100"]
+        main([*args, "--json"])
+        result = json.loads(capsys.readouterr().out)
+        rows = {r["strategy"]: r for r in result["rows"]}
+        assert strategy in rows and rows[strategy]["fits"], f"{name}: {strategy} does not fit its own plan"
+        if strategy not in MESHES:
+            pick = rows[result["recommended"]]
+            assert not rows[strategy]["tight"] and rows[strategy]["cost"] <= 1.1 * pick["cost"], \
+                f"{name}: launches {strategy}, `make cost` recommends {pick['strategy']}"
+        assert SHOWN_AS[strategy] in suggested[name], f"README suggests {suggested[name]!r} for {name}"
+        checked.append(name)
+    assert len(checked) == 12
+    sbatch = (REPO / "scripts/slurm/train.sbatch").read_text()
+    default = re.search(r"STRATEGY=\$\{STRATEGY:-(\w+)\}", sbatch).group(1), \
+        re.search(r"RECIPE=\$\{RECIPE:-(\S+)\}", sbatch).group(1)
+    assert f"make train-{default[0]} " in (REPO / default[1]).read_text()

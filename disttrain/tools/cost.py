@@ -14,7 +14,9 @@ unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthika
 seq x batch x vocab; chunked, the default: one 64 MB chunk of fp32 logits and its gradient),
 preference tuning's reference (a frozen copy of the weights for `reference: model`, sharded like the policy;
 a micro-batch of pairs is twice the sequences; the reference forward in FLOPs), and a 2 GB reserve
-(CUDA context, communication buffers). Estimates, not measurements: leave headroom.
+(CUDA context, communication buffers). Estimates, not measurements: the recommendation is the cheapest
+strategy that fits with 15% of the card to spare (a plan with less is marked "tight" and recommended only
+when nothing else fits).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
                    "adapters": "no second copy (the adapters are disabled)"}
 USABLE = 0.95  # fraction of the card's memory the allocator can really hand out
+# The recommendation wants this much of the card left over: the memory model is an estimate (fragmentation,
+# a longer batch, a framework buffer it does not count), and a run that OOMs at step 900 costs more than a
+# slower strategy. A plan that only fits without it is still shown, and recommended only when nothing else fits.
+HEADROOM = 0.85
 
 
 @dataclass
@@ -206,12 +212,14 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
         act = activations_gb(w, seq_shards, tensor_shards)
         need = states + (act or 0.0) + RESERVE_GB
         fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
+        tight = fits and need > gpu.memory_gb * HEADROOM
         seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
         hours = seconds / 3600
         rows.append({"strategy": strategy, "states_gb": states, "activations_gb": act, "need_gb": need,
-                     "host_ram_gb": host, "fits": fits, "mfu": mfu[strategy], "mfu_source": mfu_source[strategy],
+                     "host_ram_gb": host, "fits": fits, "tight": tight, "mfu": mfu[strategy],
+                     "mfu_source": mfu_source[strategy],
                      "hours": hours, "gpu_hours": hours * n_gpus, "cost": hours * n_gpus * price})
-    fitting = [r for r in rows if r["fits"]]
+    fitting = [r for r in rows if r["fits"] and not r["tight"]] or [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: r["cost"])["strategy"] if fitting else None
     return {"flops_per_token": flops_per_token(w), "total_flops": total_flops, "gpu": asdict(gpu), "gpus": n_gpus,
             "price_per_gpu_hour": price, "rows": rows, "recommended": best}
@@ -347,19 +355,24 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
         act = f"{r['activations_gb']:.1f}" if r["activations_gb"] is not None else "?"
         lines.append(
             f"{mark} {r['strategy']:<14}{r['states_gb']:>9.1f}GB{act:>7}GB{r['need_gb']:>8.1f}GB"
-            f"{r['host_ram_gb']:>8.0f}GB  {'yes' if r['fits'] else 'NO':<5}{r['mfu']:>6.0%}  {r['mfu_source']:<10}"
+            f"{r['host_ram_gb']:>8.0f}GB  {('tight' if r['tight'] else 'yes') if r['fits'] else 'NO':<5}"
+            f"{r['mfu']:>6.0%}  {r['mfu_source']:<10}"
             f"{_fmt_hours(r['hours']):>12}{r['gpu_hours']:>12,.0f}{'$' + format(r['cost'], ',.0f'):>12}")
     lines.append("")
     if w.shape is None:
         lines.append("Activations not included (no model shape): add --config or --recipe for them.")
     if chosen:
         row = next(r for r in result["rows"] if r["strategy"] == chosen)
-        lines.append(f"{chosen}: {'fits' if row['fits'] else 'DOES NOT FIT'} "
+        lines.append(f"{chosen}: {('fits, tightly' if row['tight'] else 'fits') if row['fits'] else 'DOES NOT FIT'} "
                      f"({row['need_gb']:.1f} GB needed of {gpu['memory_gb']:g} GB per GPU), "
                      f"{_fmt_hours(row['hours'])}, ${row['cost']:,.0f}")
     if result["recommended"]:
+        best = next(r for r in result["rows"] if r["strategy"] == result["recommended"])
+        spare = f"{1 - HEADROOM:.0%} of the card"
         lines.append(f"Recommended: {result['recommended']} — the cheapest strategy that fits "
-                     "(same GPUs, so cheapest = fastest at the MFU shown).")
+                     + (f"with {spare} to spare" if not best["tight"] else
+                        f"(tightly: less than {spare} to spare, and nothing fits with more)")
+                     + " (same GPUs, so cheapest = fastest at the MFU shown).")
     else:
         lines.append("Nothing fits: use more or larger GPUs, LoRA/QLoRA, gradient checkpointing or a shorter "
                      "sequence.")

@@ -89,6 +89,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -165,6 +166,29 @@ ITEMS = [
 
 
 BY_NAME = {item.name: item for item in ITEMS}
+
+# docs/gpu.md lists the items from here (`make docs`; tests/test_gpu_acceptance.py compares)
+DOC_BEGIN = "<!-- BEGIN acceptance items: generated from scripts/gpu/acceptance.py by `make docs` -->"
+DOC_END = "<!-- END acceptance items -->"
+
+
+def items_markdown() -> str:
+    """One row per item: what its function's docstring says it checks, its arguments, where it runs."""
+    rows = [DOC_BEGIN, "", "| item | what it checks | CPU dry run | H200 estimate (s, never measured) |",
+            "|---|---|---|---|"]
+    for item in ITEMS:
+        run = item.run.func if isinstance(item.run, partial) else item.run
+        arguments = ", ".join(f"{k}={v}" for k, v in getattr(item.run, "keywords", {}).items())
+        summary = re.split(r"(?<=\.) ", " ".join((run.__doc__ or "").split()))[0].replace("|", "\\|")
+        rows.append(f"| `{item.name}` | {summary}{f' ({arguments})' if arguments else ''} | "
+                    f"{'yes' if item.cpu else 'SKIP'} | {item.estimate_s:g} |")
+    return "\n".join(rows + ["", DOC_END])
+
+
+def write_docs(doc: Path) -> None:
+    text = doc.read_text()
+    start, stop = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END)
+    doc.write_text(text[:start] + items_markdown() + text[stop:])
 
 
 
@@ -316,7 +340,7 @@ class Runner:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="acceptance.json/.md and launches.log go here")
+    parser.add_argument("--out", type=Path, help="acceptance.json/.md and launches.log go here (required)")
     parser.add_argument("--work", type=Path, default=None,
                         help="model, corpus and run dirs (default: a fresh temporary dir; kept out of --out)")
     parser.add_argument("--items", default=",".join(BY_NAME), help=f"comma-separated, of {', '.join(BY_NAME)}")
@@ -335,7 +359,14 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None,
                         help="items run side by side (default 3 on a GPU, 1 in a dry run); doctor_nccl, "
                              "fsdp_sync_memory and mfu always run alone")
+    parser.add_argument("--write-docs", type=Path, default=None, metavar="MD",
+                        help="write the items table into this file (docs/gpu.md) and exit")
     args = parser.parse_args(argv)
+    if args.write_docs:
+        write_docs(args.write_docs)
+        return 0
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     names = [n for n in args.items.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:

@@ -70,6 +70,7 @@ def require_final_equals_checkpoint(ctx: Ctx, run, step: int, log) -> None:
 
 
 def adamw_8bit(ctx: Ctx) -> tuple[str, str]:
+    """training.optimizer=adamw_8bit (bitsandbytes' 8-bit states on the GPU): finite losses and a full export."""
     ok, why = ctx.importable("bitsandbytes")
     if not ok:
         raise Skip(f"bitsandbytes does not import ({why}): carry its wheel with --wheels")

@@ -32,6 +32,8 @@ def build_moe(ctx: Ctx):
 
 
 def moe_lora(ctx: Ctx) -> tuple[str, str]:
+    """A Qwen3-MoE-shaped model under FSDP2, LoRA on attention and the fused experts, the router loss on: finite
+    losses, expert adapters exported, an MFU within (0, 1] (active parameters counted)."""
     model = build_moe(ctx)
     run = ctx.item_dir / "run"
     tree = recipe(ctx, run, model={"name_or_path": str(model), "router_aux_loss_coef": 0.01}, lora=LORA_EXPERTS,
