@@ -154,3 +154,29 @@ def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
     default = re.search(r"STRATEGY=\$\{STRATEGY:-(\w+)\}", sbatch).group(1), \
         re.search(r"RECIPE=\$\{RECIPE:-(\S+)\}", sbatch).group(1)
     assert f"make train-{default[0]} " in (REPO / default[1]).read_text()
+
+
+def test_the_loss_memory_figures_quoted_in_the_docs_are_the_benchmark_tables():
+    """docs/loss.md and benchmarks.md's prose quote ranges read off benchmarks.md's `make bench-memory` table: they
+    are recomputed from it here, so a new table with old prose fails (it did: 9–23× stayed after a re-run)."""
+    import re
+
+    from conftest import REPO
+
+    bench = (REPO / "docs/benchmarks.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (plain|chunked|trl) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|",
+                      bench.replace("| - |", "| 1x |"), re.M)
+    table = {(strategy, engine): (float(share), float(step), float(cut)) for strategy, engine, share, cut, step in rows}
+    strategies = sorted({s for s, _ in table})
+    assert len(strategies) == 4 and len(table) == 12
+
+    def quoted(values) -> str:
+        return f"{min(values):.2g}–{max(values):.2g}×"
+
+    reduction = quoted([table[s, "chunked"][2] for s in strategies])  # the table's own column (unrounded shares)
+    versus_trl = quoted([table[s, "trl"][0] / table[s, "chunked"][0] for s in strategies])
+    faster = quoted([table[s, "trl"][1] / table[s, "chunked"][1] for s in strategies])
+    loss = " ".join((REPO / "docs/loss.md").read_text().split())
+    assert f"peak memory {reduction} smaller" in loss and f"{versus_trl} less loss memory" in loss
+    assert f"steps {faster} faster" in loss
+    assert f"share of peak memory is {reduction} smaller" in " ".join(bench.split())
