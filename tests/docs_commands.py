@@ -15,6 +15,7 @@ A command is a line of a ```bash block (or of an unlabelled block that starts wi
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import re
@@ -173,7 +174,7 @@ def _capture_parser(program: str) -> argparse.ArgumentParser | None:
         raise _Captured(self)
 
     argparse.ArgumentParser.parse_known_args = capture
-    sys.argv = [program, "--help"]
+    sys.argv, collecting = [program, "--help"], gc.isenabled()  # train.py pauses the collector as it imports
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module was imported before (by conftest)
@@ -187,6 +188,8 @@ def _capture_parser(program: str) -> argparse.ArgumentParser | None:
         return None
     finally:
         argparse.ArgumentParser.parse_known_args, sys.argv = original, argv
+        if collecting:
+            gc.enable()
     return None
 
 
