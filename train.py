@@ -51,7 +51,7 @@ def main(argv=None):
     from disttrain.report import run_files
     from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
     from disttrain.runtime.plan import ParallelPlan
-    from disttrain.training import checkpoint, handover, loop, optim
+    from disttrain.training import checkpoint, handover, hooks, loop, optim
     from disttrain.training.samples import build_sampler
 
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
@@ -98,7 +98,7 @@ def main(argv=None):
     loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator, plan.sp * plan.cp)  # NEFTune, if asked
     set_seed(cfg.seed + plan.random_stream(accelerator))  # dropout differs per data rank (a TP group: the same)
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
-    flops_meter, peak = meter_for(accelerator, recipe, model)
+    throughput = meter_for(accelerator, recipe, model)  # FLOPs per token and the device's peak: MFU
 
     # 6. What the objective needs before any update (DPO: its reference).
     objective.prepare(accelerator, model, loss, train_set, eval_sets, eval_loaders, collator)
@@ -120,16 +120,13 @@ def main(argv=None):
     start_trackers(accelerator, recipe)
     startup.resume_collector()
     log = MetricsLogger(accelerator, recipe.output.dir, feed.total_steps, initial_step=state.step)
-    checkpointer = checkpoint.Checkpointer(accelerator, recipe.output.dir, recipe.output.checkpoint_every,
-                                           recipe.output.checkpoint_at_end, recipe.output.keep_last, shape,
-                                           rank_state=feed.rank_state, expected_bytes=checkpoint.expected_bytes(model),
-                                           minutes=recipe.output.checkpoint_minutes)
+    checkpointer = checkpoint.Checkpointer.for_output(accelerator, recipe.output, shape, feed.rank_state,
+                                                      checkpoint.expected_bytes(model))
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
-    state = loop.train(accelerator, model, optimizer, scheduler, feed.loader, eval_loaders, cfg, log.log, state,
-                       feed.total_steps, feed.per_epoch, recipe.logging.every_steps, progress=log.advance,
-                       checkpointer=checkpointer, flops_meter=flops_meter, peak_flops=peak, sampler=sampler,
-                       distributed=recipe.distributed, token_loss=loss, data_rank_size=plan.group, share=plan.share,
-                       scorer=scorer, micro_batch_context=plan.micro_batch_context(accelerator, model))
+    run = loop.Run(accelerator, loop.Trainable(model, optimizer, scheduler), loss, objective.steps(feed), recipe,
+                   plan, checkpointer, throughput)
+    state = loop.train(run, state, hooks.for_run(run, hooks.Periodic(log.advance, eval_loaders, sampler, scorer)),
+                       log.log)
     log.close()
     if state.step < feed.total_steps:
         accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "

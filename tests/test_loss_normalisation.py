@@ -6,8 +6,9 @@ import torch
 
 from conftest import base_recipe, write_recipe
 from disttrain import data
-from disttrain.data.feed import steps_per_epoch
+from disttrain.data.feed import LoaderSteps, steps_per_epoch
 from disttrain.training import loop
+from disttrain.training.hooks import MetricsLine
 from disttrain.model import loading as modeling
 from disttrain.recipe.schema import load_recipe
 from disttrain.objectives.token_loss import TokenLoss
@@ -45,9 +46,10 @@ def run(tmp_path, model_dir, micro_batch_size, grad_accum, steps=3, name="run", 
     records = []
     metrics = MetricsLogger(accelerator, tmp_path / name, steps)
     per_epoch = steps_per_epoch(len(train_set), micro_batch_size, 1, grad_accum)
-    loop.train(accelerator, model, optimizer, scheduler, loader, None, recipe.training,
-               lambda rec, step: records.append(rec), loop.TrainState(), steps, per_epoch, log_every=1,
-               token_loss=token_loss)
+    run = loop.Run(accelerator, loop.Trainable(model, optimizer, scheduler), token_loss,
+                   LoaderSteps(loader, per_epoch, steps), recipe)
+    loop.train(run, loop.TrainState(), [MetricsLine(accelerator, token_loss, scheduler, 1, None)],
+               lambda rec, step: records.append(rec))
     metrics.close()
     params = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).named_parameters()}
     return params, [r["loss"] for r in records], train_set

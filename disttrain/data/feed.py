@@ -12,7 +12,8 @@ state, so that train.py and the loop never ask which kind it is.
 
 from __future__ import annotations
 
-from typing import Callable
+from itertools import islice
+from typing import Callable, Iterator
 
 from disttrain.data.collation import ContextShard, SequenceShard, make_loader
 from disttrain.data.streaming import StreamLoader, shards_note, stream_rows
@@ -25,7 +26,41 @@ def steps_per_epoch(num_rows: int, micro_batch_size: int, num_processes: int, gr
     return (num_rows // micro_batch_size) // num_processes // grad_accum
 
 
-class MapFeed:
+class LoaderSteps:
+    """A prepared loader as the loop's step source (training/loop.StepSource): grad_accum micro-batches per
+    optimizer step, epoch after epoch (each epoch's permutation set on the loader, the same on every rank), and on
+    resume the consumed micro-batches of the current epoch skipped (a stream that loaded its own position is
+    not skipped)."""
+
+    def __init__(self, loader, per_epoch: int, total_steps: int):
+        self.loader, self.per_epoch, self.total_steps = loader, per_epoch, total_steps
+
+    def windows(self, run, state) -> Iterator[list[dict]]:
+        accelerator = run.accelerator
+        accumulation = accelerator.gradient_accumulation_steps
+        while state.step < self.total_steps:
+            state.epoch = state.step // self.per_epoch
+            self.loader.set_epoch(state.epoch)
+            consumed = (state.step % self.per_epoch) * accumulation  # non-zero only right after a mid-epoch resume
+            if consumed and not getattr(self.loader, "resumes_itself", False):
+                batches = iter(accelerator.skip_first_batches(self.loader, consumed))
+            else:
+                batches = iter(self.loader)
+            for _ in range(state.step % self.per_epoch, self.per_epoch):
+                yield list(islice(batches, accumulation))
+
+
+class _Feed:
+    """What both feeds give the loop once prepared: their loader as the step source."""
+
+    loader = None
+    per_epoch = total_steps = 0
+
+    def windows(self, run, state) -> Iterator[list[dict]]:
+        return LoaderSteps(self.loader, self.per_epoch, self.total_steps).windows(run, state)
+
+
+class MapFeed(_Feed):
     rank_state = None  # nothing per rank to save: the position follows from the step
 
     def __init__(self, recipe, train_set, data_rank: int, data_ranks: int, sequence_slice: tuple[int, int] | None,
@@ -66,7 +101,7 @@ class MapFeed:
         """Nothing to read: the loop skips the consumed micro-batches of the epoch's permutation."""
 
 
-class StreamFeed:
+class StreamFeed(_Feed):
     def __init__(self, recipe, tokenizer, data_rank: int, data_ranks: int):
         self.recipe, self.tokenizer, self.loader = recipe, tokenizer, None
         self.data_rank, self.data_ranks = data_rank, data_ranks

@@ -23,3 +23,7 @@ class DPO:
         resume), or a frozen copy sharded like the policy; LoRA's is the policy with its adapters disabled."""
         guards.at("preparing the reference (preference tuning)")
         prepare_reference(accelerator, self.recipe, model, loss, train_set, eval_sets, eval_loaders, collator)
+
+    def steps(self, feed):
+        """The feed's batches as they are."""
+        return feed

@@ -20,3 +20,7 @@ class SFT:
 
     def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
         """Nothing: SFT needs no reference."""
+
+    def steps(self, feed):
+        """The feed's batches as they are."""
+        return feed

@@ -343,6 +343,13 @@ class Checkpointer:
         if expected_bytes and (every or minutes or at_end) and accelerator.is_main_process:
             warn_if_short_of_space(accelerator, output_dir, expected_bytes)
 
+    @classmethod
+    def for_output(cls, accelerator, output, shape: RunShape, rank_state=None,
+                   expected_bytes: int | None = None) -> Checkpointer:
+        """The recipe's output section's cadence (checkpoint_every, checkpoint_minutes, checkpoint_at_end)."""
+        return cls(accelerator, output.dir, output.checkpoint_every, output.checkpoint_at_end, output.keep_last, shape,
+                   rank_state, expected_bytes, output.checkpoint_minutes)
+
     def due(self, step: int, last: bool) -> bool:
         return bool(self.every and step % self.every == 0) or (last and self.at_end)
 

@@ -14,13 +14,14 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from itertools import islice
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
 from disttrain.runtime import guards
 from disttrain.data import LENGTHS_KEY
 from disttrain.objectives.token_loss import TokenLoss
+from disttrain.training.hooks import Hook, StepEnd
 
 
 @dataclass
@@ -102,25 +103,6 @@ def _as_float(value) -> float:
     return float(value) if value is not None else float("nan")
 
 
-@torch.no_grad()
-def evaluate(accelerator, model, loader, objective: TokenLoss, name: str = "eval") -> torch.Tensor:
-    """The objective's eval sums over one eval set, all ranks; duplicated padding samples are dropped by
-    gather_for_metrics."""
-    model.eval()
-    totals = None
-    for batch in loader:
-        per_row = accelerator.gather_for_metrics(objective.eval_rows(model, batch, name)).double().sum(0)
-        totals = per_row if totals is None else totals + per_row
-    model.train()
-    return totals
-
-
-def evaluate_all(accelerator, model, loaders: dict, objective: TokenLoss) -> dict[str, float]:
-    """`eval_loss` over every eval set, and per set of a mixture (`eval_loss/<source>`)."""
-    return objective.eval_record({name: evaluate(accelerator, model, loader, objective, name)
-                                  for name, loader in loaders.items()})
-
-
 class _Window:
     """Running sums between two log lines. They stay on the device (no host sync in the step loop) and are
     gathered across ranks only when a line is written."""
@@ -134,7 +116,11 @@ class _Window:
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
         self.data_rank_size = data_rank_size  # consecutive processes that read the same rows (Ulysses: sp)
         self.share = share  # the part of each batch this process accounts for (ParallelPlan.share)
+        self.last_grad_norm = None  # the total norm of the latest optimizer step (set by the loop)
         self.reset()
+
+    def grad_norm(self) -> float:
+        return _as_float(self.last_grad_norm)
 
     def reset(self):
         self.sums = torch.zeros(len(self.DEVICE_FIELDS), device=self.device, dtype=torch.float64)
@@ -204,103 +190,110 @@ class _Window:
         return record
 
 
-def train(accelerator, model, optimizer, scheduler, train_loader, eval_loaders, cfg, log, state: TrainState,
-          total_steps: int, per_epoch: int, log_every: int, progress=None, checkpointer=None,
-          flops_meter=None, peak_flops: float | None = None, distributed=None,
-          token_loss: TokenLoss | None = None, sampler=None, data_rank_size: int = 1, share: float = 1.0,
-          scorer=None, micro_batch_context=None) -> TrainState:
-    """Run optimizer steps from state.step until total_steps (or cfg.stop_at_step, or SIGTERM).
+class StepSource(Protocol):
+    """Where each optimizer step's micro-batches come from: a data feed (data/feed.py), or an objective that makes
+    them itself (from the feed's rows and the current model, e.g. completions it generates before each step)."""
 
-    `log(record, step)` receives every metrics line (on every rank); `progress()` is called once per step;
-    `checkpointer` (due(step) / save(state)) writes checkpoints. A log line is always written at a
-    checkpoint, so a resumed run's metrics continue without a seam. `flops_meter` and `peak_flops` add
-    TFLOPS per device and MFU to the log lines. `distributed` (the recipe section) sets the replica check
-    interval and the loss-spread warning threshold. `token_loss` computes each micro-batch's loss (default:
-    transformers' plain loss from full logits); `sampler(step)` generates and logs samples at each evaluation.
-    `data_rank_size`: consecutive processes sharing rows (ParallelPlan.group), compared as one in the spread;
-    `share`: the part of each batch a process counts in the metrics (ParallelPlan.share: 1/tp).
-    `scorer` (due(step) / scorer(checkpoint) -> record) scores the checkpoints it is due for with lm-eval.
-    `micro_batch_context(batch)` is entered around each micro-batch's forward and backward
-    (ParallelPlan.micro_batch_context: context parallelism cuts the batch's sequences there).
-    """
-    token_loss = token_loss or TokenLoss(model, "plain")
-    micro_batch_context = micro_batch_context or (lambda batch: contextlib.nullcontext())
-    ga = accelerator.gradient_accumulation_steps
-    window = _Window(accelerator.device, flops_meter, peak_flops, data_rank_size, share)
-    replicas_every = distributed.check_replicas_every if distributed is not None else None
-    warn_loss_spread = guards.LossSpreadWarning(distributed.loss_spread_warning if distributed is not None else None)
+    total_steps: int
+
+    def windows(self, run: Run, state: TrainState) -> Iterator[list[dict]]:
+        """The micro-batches of each optimizer step from state.step on (grad_accum of them per step); it keeps
+        state.epoch and, on resume, starts where the step says the data stood."""
+
+
+class Trainable(NamedTuple):
+    """The model with its optimizer and schedule, as accelerator.prepare returned them (the feed prepares them
+    with its loader: data/feed.py)."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+
+
+@dataclass
+class Run:
+    """What the loop trains, handed over whole: the prepared model, optimizer and schedule, the loss, where the
+    batches come from, the recipe, the parallel plan (what each process counts, what a micro-batch runs inside),
+    the checkpointer (its cadence and clock decide when a step saves) and the FLOP meter with the device's peak."""
+
+    accelerator: Any
+    trainable: Trainable
+    loss: TokenLoss
+    steps: StepSource
+    recipe: Any
+    plan: Any = None  # runtime/plan.ParallelPlan; None: one process, nothing cut
+    checkpointer: Any = None  # training/checkpoint.Checkpointer; None: nothing saved
+    throughput: tuple = (None, None)  # (metrics.flops.FlopsMeter, peak FLOP/s per device): MFU in the metrics
+
+    @property
+    def model(self):
+        return self.trainable.model
+
+    @property
+    def scheduler(self):
+        return self.trainable.scheduler
+
+
+def train(run: Run, state: TrainState, hooks: list[Hook], log) -> TrainState:
+    """Run optimizer steps from state.step until the step source's total (or training.stop_at_step, or SIGTERM).
+
+    After each step every hook (training/hooks.py: progress, metrics line, replica check, evaluation, samples,
+    checkpoint, lm-eval) is asked, in order, whether it is due; what it returns goes to `log(record, step)`.
+    Whether the step saves is decided here, before the hooks run (the metrics line is forced at a checkpoint):
+    the checkpointer's step cadence, its clock (agreed across ranks in the step's all-reduce) or a stop."""
+    accelerator, model, optimizer = run.accelerator, run.model, run.trainable.optimizer
+    cfg, token_loss, checkpointer = run.recipe.training, run.loss, run.checkpointer
+    group, share = (run.plan.group, run.plan.share) if run.plan is not None else (1, 1.0)
+    micro_batch_context = run.plan.micro_batch_context(accelerator, model) if run.plan is not None else \
+        (lambda batch: contextlib.nullcontext())
+    window = _Window(accelerator.device, *run.throughput, group, share)
+    total_steps = run.steps.total_steps
     model.train()
+    windows = run.steps.windows(run, state)
     while state.step < total_steps:
-        state.epoch = state.step // per_epoch
-        train_loader.set_epoch(state.epoch)  # the epoch's permutation, identical on every rank
-        consumed = (state.step % per_epoch) * ga  # non-zero only right after a mid-epoch resume
-        if consumed and not getattr(train_loader, "resumes_itself", False):  # a stream loaded its own position
-            batches = iter(accelerator.skip_first_batches(train_loader, consumed))
-        else:
-            batches = iter(train_loader)
-        for _ in range(state.step % per_epoch, per_epoch):
-            step = state.step + 1
-            guards.at("loading the next batches", step)
-            fetch_started = time.perf_counter()
-            micro_batches = list(islice(batches, ga))
-            window.data_wait += time.perf_counter() - fetch_started
-            if micro_batches and not token_loss.checked:  # the chunked loss equals the model's own, or stop
-                guards.at("checking the chunked loss against the model's own loss", step)
-                window.timed_apart(lambda: token_loss.check_against_model(accelerator, model, micro_batches[0]))
-            guards.at("all_reduce of the step's target-token count", step)
-            denominator, flags = _window_denominator(
-                micro_batches, accelerator, token_loss,
-                (_stop_requested, checkpointer is not None and checkpointer.time_due()))
-            guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
-            for batch in micro_batches:
-                with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
-                        micro_batch_context(batch):
-                    loss = token_loss.training_loss(model, batch, denominator)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                window.add_micro(loss.detach() * denominator, token_loss.units(batch), batch)
-            scheduler.step()
-            state.step += 1
-            window.steps += 1
-            if progress is not None:
-                progress()
-            last = state.step >= total_steps
-            stop = flags.is_set(STOP) or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step
-                                          and not last)
-            save = checkpointer is not None and (checkpointer.due(state.step, last) or flags.is_set(TIME_DUE) or stop)
-            if state.step % log_every == 0 or last or save:
-                guards.at("gathering metrics from all ranks", step)
-                summary = window.summarize(accelerator, token_loss.unit_name)
-                state.tokens_seen += summary["tokens"]
-                log({**summary, **token_loss.window_metrics(accelerator), "lr": scheduler.get_last_lr()[0],
-                     "grad_norm": _as_float(grad_norm), "epoch": state.epoch, "tokens_seen": state.tokens_seen},
-                    state.step)
-                warn_loss_spread(summary, state.step, accelerator.print)
-                window.reset()
-            # timed apart from the window: tokens/s and MFU count training time only
-            if replicas_every and state.step % replicas_every == 0:
-                window.timed_apart(lambda: guards.check_replicas(
-                    accelerator, model, state.step, checkpointer.last_saved if checkpointer is not None else None))
-            evaluation_due = cfg.eval_every and (state.step % cfg.eval_every == 0 or last)
-            if eval_loaders and evaluation_due:
-                guards.at("evaluation", step)
-                evaluated, took = window.timed_apart(lambda: evaluate_all(accelerator, model, eval_loaders, token_loss))
-                log({**evaluated, "eval_time_s": took}, state.step)
-            if sampler is not None and evaluation_due:
-                guards.at("sample generations (every rank, same steps)", step)
-                window.timed_apart(lambda: sampler(state.step))
-            if save:
-                guards.at("saving a checkpoint", step)
-                _, took = window.timed_apart(lambda: checkpointer.save(state))
-                log({"checkpoint_time_s": took}, state.step)
-                if scorer is not None and scorer.due(state.step) and not stop:
-                    guards.at("scoring the checkpoint with lm-eval (main process; the other ranks wait)", step,
-                              collective=False)
-                    scored, took = window.timed_apart(lambda: scorer(checkpointer.last_saved))
-                    log({**scored, "lm_eval_time_s": took}, state.step)
-            if stop or last:
-                return state
+        step = state.step + 1
+        guards.at("loading the next batches", step)
+        fetch_started = time.perf_counter()
+        micro_batches = next(windows)
+        window.data_wait += time.perf_counter() - fetch_started
+        if micro_batches and not token_loss.checked:  # the chunked loss equals the model's own, or stop
+            guards.at("checking the chunked loss against the model's own loss", step)
+            window.timed_apart(lambda: token_loss.check_against_model(accelerator, model, micro_batches[0]))
+        guards.at("all_reduce of the step's target-token count", step)
+        denominator, flags = _window_denominator(
+            micro_batches, accelerator, token_loss,
+            (_stop_requested, checkpointer is not None and checkpointer.time_due()))
+        guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
+        for batch in micro_batches:
+            with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
+                    micro_batch_context(batch):
+                loss = token_loss.training_loss(model, batch, denominator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    window.last_grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            window.add_micro(loss.detach() * denominator, token_loss.units(batch), batch)
+        run.scheduler.step()
+        state.step += 1
+        window.steps += 1
+        last = state.step >= total_steps
+        stop = flags.is_set(STOP) or (cfg.stop_at_step is not None and state.step >= cfg.stop_at_step and not last)
+        save = checkpointer is not None and (checkpointer.due(state.step, last) or flags.is_set(TIME_DUE) or stop)
+        _after_step(hooks, StepEnd(state, last, stop, save, window), log)
+        if stop or last:
+            return state
     return state
+
+
+def _after_step(hooks: list[Hook], end: StepEnd, log) -> None:
+    for hook in hooks:
+        if not hook.due(end):
+            continue
+        if hook.timed:  # timed apart from the window: tokens/s and MFU count training time only
+            record, took = end.window.timed_apart(lambda: hook(end))
+            record = {**(record or {}), hook.time_key: took} if hook.time_key else record
+        else:
+            record = hook(end)
+        if record:
+            log(record, end.step)
