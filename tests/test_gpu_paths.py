@@ -34,7 +34,7 @@ def test_quantizing_a_linear_keeps_params_and_flops(storage):
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from disttrain.model.loading import count_parameters
+    from disttrain.model.params import count_parameters
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disttrain.model.family import Family, text_config
+from disttrain.model.params import numel
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -30,40 +33,15 @@ class ModelShape:
     expert_params: int = 0  # all routed-expert weights (MoE); matmul_params holds their active share
 
 
-def numel(p) -> int:
-    """Full size of a parameter: ZeRO-3 keeps an empty local placeholder (ds_numel); DTensors are global.
-    bitsandbytes' quantized 4-bit weights (Params4bit) pack two values per byte of their storage dtype, so
-    numel() is the packed count: scaled back as transformers' num_parameters does."""
-    n = getattr(p, "ds_numel", None)
-    n = p.numel() if n is None else n
-    # by class name: bitsandbytes stays an optional import; bnb_quantized is False until the weight is packed
-    if type(p).__name__ == "Params4bit" and getattr(p, "bnb_quantized", False):
-        n *= 2 * p.element_size()
-    return n
-
-
-def _text_config(config):
-    """The language model's config (multimodal wrappers keep it as a sub-config)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def moe_routing(config) -> tuple[int, int] | None:
-    """(experts per block, experts per token) of a mixture-of-experts config (or its text sub-config)."""
-    text = _text_config(config)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    top_k = getattr(text, "num_experts_per_tok", None)
-    return (int(experts), int(top_k)) if experts and top_k else None
-
-
 def shape_from_model(model, config) -> ModelShape:
     """Counts from a live model (sharded or not); LoRA adapter matrices are not part of N_matmul."""
     import torch
 
-    text = _text_config(config)
+    text = text_config(config)
     params = sum(numel(p) for n, p in model.named_parameters() if "lora_" not in n)
     matmul = sum(numel(m.weight) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lora_" not in name)
-    routing = moe_routing(config)
+    routing = Family.of(config).routing
     experts = router = 0
     if routing is not None:
         experts, router = _moe_weights(model, routing[0], text.hidden_size)

@@ -137,7 +137,7 @@ def meter_for(accelerator, recipe, model):
     import torch
 
     from disttrain.metrics.flops import shape_from_model
-    from disttrain.model.loading import count_parameters
+    from disttrain.model.params import count_parameters
 
     unwrapped = bare_model(accelerator, model)
     config = getattr(unwrapped, "config", None)

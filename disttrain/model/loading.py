@@ -48,13 +48,9 @@ def _router_kwargs(spec: ModelSection) -> dict:
     loss objects add it as transformers' own loss does (objectives/token_loss.py)."""
     if spec.router_aux_loss_coef is None:
         return {}
-    from transformers import AutoConfig
+    from disttrain.model.family import Family
 
-    from disttrain.metrics.flops import moe_routing
-
-    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                        trust_remote_code=spec.trust_remote_code)
-    if moe_routing(config) is None:  # a dense model's constructor would fail on the keyword, in a traceback
+    if not Family.of_recipe(spec).moe:  # a dense model's constructor would fail on the keyword, in a traceback
         raise DisttrainError(f"model.router_aux_loss_coef: {spec.name_or_path} is not a mixture of experts (its "
                              "config names no experts per token); remove the field")
     return {"output_router_logits": True, "router_aux_loss_coef": spec.router_aux_loss_coef}
@@ -126,17 +122,6 @@ def add_embedding_noise(model, alpha: float | None, accelerator, sequence_parts:
 
         # unwrapped here, not by transformers: its unwrap keeps a compiled DDP copy that has no input embeddings
         activate_neftune(bare_model(accelerator, model) if accelerator else model, alpha / sequence_parts ** 0.5)
-
-
-def count_parameters(model) -> tuple[int, int]:
-    from disttrain.metrics.flops import numel
-
-    total = trainable = 0
-    for p in model.parameters():
-        n = numel(p)
-        total += n
-        trainable += n if p.requires_grad else 0
-    return total, trainable
 
 
 def is_peft_model(model) -> bool:

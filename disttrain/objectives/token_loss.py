@@ -30,6 +30,7 @@ import torch
 
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, count_targets
 from disttrain.data.collation import shifted as shift
+from disttrain.model.family import Family, configs_of
 from disttrain.objectives import fused_head
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
@@ -77,7 +78,7 @@ class FamilyTransform:
     the losses the head returns (Granite divided the loss and its gradients by 16)."""
 
     def __init__(self, base):
-        configs = _configs(getattr(base, "config", None))
+        configs = configs_of(base.config) if getattr(base, "config", None) is not None else []
         places = {"config": configs, "module": [base], "inner": [getattr(base, "model", None)]}
         self.holders: list[tuple[object, str, object]] = []
         scale = 1.0
@@ -105,20 +106,6 @@ class FamilyTransform:
         finally:
             for obj, name, value in saved:
                 setattr(obj, name, value)
-
-
-def _configs(config) -> list:
-    """A model's config and its text config (multimodal wrappers keep the language model's there), once each."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    return [c for c in {id(c): c for c in (config, text) if c is not None}.values()]
-
-
-def router_aux_coefficient(config) -> float:
-    """The MoE load-balancing loss's weight when the model computes it (output_router_logits), else 0."""
-    configs = _configs(config)
-    if not any(getattr(c, "output_router_logits", False) for c in configs):
-        return 0.0
-    return float(next((c.router_aux_loss_coef for c in configs if getattr(c, "router_aux_loss_coef", None)), 0.0))
 
 
 def _chunk_tokens(vocab: int) -> int:
@@ -297,7 +284,7 @@ class TokenLoss:
         config = getattr(base, "config", None)
         # what the model adds to the token loss: the MoE load-balancing loss (transformers' own, from the
         # router logits the forward returns, with its attention-mask handling), weighted by its coefficient
-        self.router_aux_coef = router_aux_coefficient(config) if config is not None else 0.0
+        self.router_aux_coef = Family.of(config).router_aux_coef if config is not None else 0.0
         self.family = FamilyTransform(base)
         if impl == "trl":
             fused_head.install(model)  # TRL applies the family's transforms and router loss itself

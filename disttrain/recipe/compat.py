@@ -12,6 +12,7 @@ from pathlib import Path
 
 from disttrain.recipe.schema import Recipe
 from disttrain.errors import DisttrainError
+from disttrain.model.family import Family
 
 
 # Combinations not yet proven on a GPU are refused unless this is "1" (the GPU acceptance script sets it).
@@ -173,18 +174,18 @@ def check_sequence_model(config, sp: int, cp: int) -> None:
     attend with full causal attention only (no mask travels with the slices), and the router's load-balancing
     loss of a mixture of experts would be computed per slice, not over the sequence (it is not additive over
     positions), so it would differ from one process's."""
+    _check_sequence_family(Family.of(config), sp, cp)
+
+
+def _check_sequence_family(family: Family, sp: int, cp: int) -> None:
     if sp == 1 and cp == 1:
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     where = "accelerate_configs/zero3_ulysses.yaml (sp_size > 1)" if sp > 1 else "accelerate_configs/fsdp_cp.yaml"
-    windowed = {t for t in (getattr(text, "layer_types", None) or []) if t != "full_attention"}
-    if getattr(text, "layer_types", None) is None and getattr(text, "sliding_window", None):
-        windowed = {"sliding_attention"}
-    if windowed:
-        raise DisttrainError(f"{type(text).__name__} has {sorted(windowed)} layers: not supported under {where}, "
-                             "which attends with full causal attention only (their window would be dropped); train "
-                             "it without sequence parallelism")
-    if getattr(text, "output_router_logits", False):
+    if family.windowed_layers:
+        raise DisttrainError(f"{family.name} has {sorted(family.windowed_layers)} layers: not supported under "
+                             f"{where}, which attends with full causal attention only (their window would be "
+                             "dropped); train it without sequence parallelism")
+    if family.router_loss:
         raise DisttrainError(f"model.router_aux_loss_coef (the router's load-balancing loss) is not supported under "
                              f"{where}: each process would compute it on its slice of the sequence, not on the whole "
                              "sequence as one process does; remove the field, or train without sequence parallelism")
@@ -228,24 +229,26 @@ def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None
     """What only the model's config says (read before the weights are loaded and split): transformers' plan for
     it, attention and key/value heads that divide over the tp processes (each keeps whole heads), and, under
     FSDP2 + TP (`data_parallel` > 1 groups), separate input and output embeddings."""
+    _check_tensor_parallel_family(Family.of(config), tp, data_parallel)
+
+
+def _check_tensor_parallel_family(family: Family, tp: int, data_parallel: int) -> None:
     if tp == 1:
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     where = TENSOR_PARALLEL_CONFIGS
-    if not getattr(text, "base_model_tp_plan", None):
-        raise DisttrainError(f"{type(text).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
+    if not family.tp_plan:
+        raise DisttrainError(f"{family.name} has no tensor-parallel plan in transformers (base_model_tp_plan); "
                              f"it cannot train under {where}: use fsdp.yaml or a ZeRO config")
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv_heads = family.heads, family.kv_heads
     if heads % tp or kv_heads % tp:
-        raise DisttrainError(f"{type(text).__name__} has {heads} attention and {kv_heads} key/value heads: tensor "
+        raise DisttrainError(f"{family.name} has {heads} attention and {kv_heads} key/value heads: tensor "
                              f"parallelism over {tp} processes needs both divisible by {tp} (each keeps whole heads); "
                              f"launch {where} with --num_processes / --parallelism_config_tp_size dividing {kv_heads}")
-    if data_parallel > 1 and getattr(text, "tie_word_embeddings", False):
+    if data_parallel > 1 and family.tied_embeddings:
         # transformers 5.25 applies FSDP2 before it ties lm_head to the embeddings: they become two FSDP2
         # parameters (embed_tokens grouped with the final norm, lm_head in the root group), and lm_head computes
         # with a copy the optimizer never updates (measured: the losses leave one process's from step 2)
-        raise DisttrainError(f"{type(text).__name__} ties its input and output embeddings (tie_word_embeddings): "
+        raise DisttrainError(f"{family.name} ties its input and output embeddings (tie_word_embeddings): "
                              "under FSDP2 + TP (fsdp_tp.yaml) transformers shards the two in separate FSDP2 groups "
                              "and lm_head would train a stale copy; use tp.yaml (tensor parallelism alone) or "
                              "fsdp.yaml")
@@ -279,19 +282,9 @@ def check_model_config(recipe: Recipe, sp: int, cp: int, tp: int, data_parallel:
     before any weight: the recipe's router loss switched on as loading will switch it on."""
     if sp == 1 and cp == 1 and tp == 1:
         return
-    from transformers import AutoConfig
-
-    m = recipe.model
-    try:
-        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
-    except (OSError, ValueError) as exc:  # no such model, offline, gated, not a transformers config
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DisttrainError(f"model.name_or_path={m.name_or_path}: its config cannot be read ({first})") from None
-    if m.router_aux_loss_coef is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        text.output_router_logits = True
-    check_sequence_model(config, sp, cp)
-    check_tensor_parallel_model(config, tp, data_parallel)
+    family = Family.of_recipe(recipe.model)
+    _check_sequence_family(family, sp, cp)
+    _check_tensor_parallel_family(family, tp, data_parallel)
 
 
 def check_before_launch(recipe: Recipe, plan, gpu: bool) -> None:

@@ -109,7 +109,7 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
 
     import torch
 
-    from disttrain.model.loading import count_parameters
+    from disttrain.model.params import count_parameters
 
     strategy, mesh = plan.strategy, plan.mesh  # runtime/plan.ParallelPlan
 
