@@ -78,7 +78,7 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
+	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -232,6 +232,9 @@ mesh-flags: ## print the parallelism flags `accelerate launch` needs for STRATEG
 
 matrix: setup ## regenerate docs/compatibility.md from the feature x config declaration (disttrain/recipe/matrix.py)
 	$(PY) -m disttrain.recipe.matrix
+
+lint: setup ## ruff: pycodestyle and pyflakes at the code's line length (pyproject.toml), on everything Python here
+	$(PY) -m ruff check disttrain train.py tests scripts
 
 docs: setup ## regenerate the generated docs: recipe fields (from the schema), the matrix, the GPU acceptance items
 	$(PY) -m disttrain.recipe.reference

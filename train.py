@@ -47,17 +47,17 @@ def main(argv=None):
     from disttrain.metrics.trackers import start_trackers
     from disttrain.model import loading
     from disttrain.objectives import objective_for
-    from disttrain.recipe import compat
     from disttrain.report import run_files
     from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
-    from disttrain.runtime.plan import ParallelPlan
+    from disttrain.parallel import checks
+    from disttrain.parallel.plan import ParallelPlan
     from disttrain.training import checkpoint, handover, hooks, loop, optim
     from disttrain.training.samples import build_sampler
 
     # 2. The distributed world as the accelerate config describes it; output.dir's {strategy}/{processes} set.
     plan = ParallelPlan.from_launch()
     recipe = recipe.for_launch(plan.label, plan.processes)
-    compat.check_before_launch(recipe, plan, has_gpu())
+    checks.check_before_launch(recipe, plan, has_gpu())
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here
@@ -80,8 +80,8 @@ def main(argv=None):
     # 5. Model, objective (collator + loss), optimizer, schedule, loaders -> prepared for the strategy.
     guards.at("loading the model")
     model = loading.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
-                               local_device=accelerator.local_process_index if has_gpu() else None, tp=plan.tp,
-                               tp_data=plan.tp_data, bf16=cfg.mixed_precision == "bf16")
+                               local_device=accelerator.local_process_index if has_gpu() else None,
+                               bf16=cfg.mixed_precision == "bf16", **plan.load_kwargs())
     gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
     objective = objective_for(recipe)
     loss = objective.loss(model)
@@ -95,7 +95,7 @@ def main(argv=None):
     model, optimizer, scheduler = feed.prepare(accelerator, collator, model, optimizer, scheduler)
     guards.hold_until_exit(accelerator, model, optimizer)  # freed at os._exit, not before: guards says why
     eval_loaders = {name: plan.eval_loader(accelerator, loader) for name, loader in eval_loaders.items()}
-    loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator, plan.sp * plan.cp)  # NEFTune, if asked
+    loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator, plan.sequence_parts)  # NEFTune
     set_seed(cfg.seed + plan.random_stream(accelerator))  # dropout differs per data rank (a TP group: the same)
     run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
     throughput = meter_for(accelerator, recipe, model)  # FLOPs per token and the device's peak: MFU

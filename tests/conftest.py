@@ -44,7 +44,8 @@ def pytest_configure(config):
         return
     socket_path = os.path.join(_DATASETS_CACHE, "warm.sock")
     # the server's own output (which launches went to the real launcher, and why), kept after the session
-    log = open(os.path.join(tempfile.gettempdir(), f"disttrain-warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
+    log = open(os.path.join(tempfile.gettempdir(),
+                            f"disttrain-warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
     server = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "server.py"), socket_path],
                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -115,8 +116,10 @@ def tiny_model_dir(runs) -> Path:
 
 # Tests whose wall time is longest (measured with the warm launcher: 20-60 s each), run first among the launches.
 LONGEST = ("test_sigterm_to_the_launcher_checkpoints_even_when_the_save_outlasts_torchs_30_s",
-           "test_acceptance_dry_run_records_every_item", "test_bench_data_measures_ours_floor_memory_and_the_first_step",
-           "test_strategies_one_after_another_with_the_defaults", "test_make_eval_equals_lm_evals_command_line_on_the_same_model",
+           "test_acceptance_dry_run_records_every_item",
+           "test_bench_data_measures_ours_floor_memory_and_the_first_step",
+           "test_strategies_one_after_another_with_the_defaults",
+           "test_make_eval_equals_lm_evals_command_line_on_the_same_model",
            "test_two_nodes_train_like_one")
 
 
@@ -276,4 +279,5 @@ def kill_launch(launcher: subprocess.Popen) -> None:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                                  f"\n--- stderr\n{proc.stderr[-6000:]}")

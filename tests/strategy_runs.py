@@ -157,7 +157,8 @@ def assert_exports_from_its_last_checkpoint(out: Path, folder: Path) -> None:
     import sys
 
     last = out / "checkpoints" / f"step-{STEPS:08d}"
-    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last), str(folder / "exported")],
+    proc = subprocess.run([sys.executable, "-m", "disttrain.model.from_checkpoint", str(last),
+                           str(folder / "exported")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert_ok(proc)
     exported, final = (load_file(d / "model.safetensors") for d in (folder / "exported", out / "final"))
@@ -186,7 +187,8 @@ def assert_preflight_trains_like(recipe: str, strategy: str, folder: Path, refer
                    overrides=[f"output.dir={folder / 'other'}", "output.resume=none", "training.stop_at_step=null",
                               f"training.micro_batch_size={micro_batch * micro_batch_factor}"])
     assert_ok(other)
-    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r} for out in (work / "run", folder / "other")]
+    losses = [{r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+              for out in (work / "run", folder / "other")]
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == pytest.approx(losses[1], rel=1e-4)
     ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (work / "run", folder / "other"))
     assert set(ours) == set(theirs)
@@ -196,7 +198,7 @@ def assert_preflight_trains_like(recipe: str, strategy: str, folder: Path, refer
 
 def mesh_plan(monkeypatch, processes: int, **sizes):
     """The ParallelPlan of a launch of `processes` whose accelerate config set these mesh sizes."""
-    from disttrain.runtime.plan import ParallelPlan
+    from disttrain.parallel.plan import ParallelPlan
 
     monkeypatch.setenv("WORLD_SIZE", str(processes))
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")

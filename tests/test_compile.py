@@ -31,7 +31,8 @@ def test_compiled_run_matches_eager_losses_without_recompiles(config, tmp_path, 
         # chunked loss once recompiled for every length until Dynamo's limit, then ran eagerly)
         # (2 processes: micro-batches of 2, some with no padding, for which the model passes no attention mask;
         # that is one more graph per block, compiled once, whatever the lengths)
-        logged = [line.split("[__recompiles]")[1].strip() for line in proc.stderr.splitlines() if "[__recompiles]" in line]
+        logged = [line.split("[__recompiles]")[1].strip() for line in proc.stderr.splitlines()
+                  if "[__recompiles]" in line]
         reasons = [line for line in logged if re.match(r"- \d+/\d+: ", line)]  # "- 2/0: <the guard that failed>"
         assert all("attention_mask" in reason for reason in reasons), reasons[:3]
         assert len(reasons) <= 2 * processes, reasons  # at most once per compiled function and process

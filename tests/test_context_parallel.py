@@ -17,7 +17,7 @@ from disttrain.data.collation import ContextShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.runtime.launcher import cpu_ring_env
-from disttrain.runtime.plan import ParallelPlan
+from disttrain.parallel.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
 from strategy_runs import make_train, strategy_run
 from test_tensor_parallel import tp_run
@@ -90,7 +90,7 @@ def test_the_ring_kernel_check_passes_with_the_cpu_mapping_or_a_gpu(monkeypatch)
     import torch
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    from disttrain.recipe.compat import check_ring_kernel
+    from disttrain.parallel.checks import check_ring_kernel
 
     check_ring_kernel(2, gpu=True)
     check_ring_kernel(1, gpu=False)
@@ -167,7 +167,7 @@ def test_a_context_parallel_launch_is_planned_and_labelled(monkeypatch):
                                           "sdpa's kernels only"),
 ])
 def test_what_the_ring_cannot_train_is_refused_in_one_line(overrides, expected):
-    from disttrain.recipe.compat import check_sequence_parallel
+    from disttrain.parallel.checks import check_sequence_parallel
     from disttrain.recipe.schema import load_recipe
 
     recipe = load_recipe(str(REPO / "recipes/tiny/sft.yaml"), overrides)
@@ -185,7 +185,7 @@ def test_what_the_ring_cannot_train_is_refused_in_one_line(overrides, expected):
 def test_models_the_sequence_meshes_would_train_wrongly_are_refused(config, expected):
     from types import SimpleNamespace
 
-    from disttrain.recipe.compat import check_sequence_model
+    from disttrain.parallel.checks import check_sequence_model
 
     model_config = SimpleNamespace(**config)
     check_sequence_model(model_config, 1, 1)

@@ -69,7 +69,8 @@ def test_formula_matches_torch_flop_counter(make_config):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[make_config]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig,
+           "mixtral": MixtralConfig}[make_config]
     cfg = cls(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, **MOE.get(make_config, {}))
     cfg._attn_implementation = "eager"  # CPU SDPA kernels are invisible to FlopCounterMode; eager is plain matmuls
@@ -153,8 +154,8 @@ def test_recipe_plan_and_measured_mfu(tmp_path, capsys):
 
 
 def test_chunked_loss_keeps_one_chunk_of_logits_whatever_the_sequence():
-    """training.loss_impl=plain holds 10 bytes x tokens x vocab of logits; chunked one fp32 chunk and its
-    gradient (disttrain/objectives/token_loss.py CHUNK_LOGITS), as tests/test_loss_impl.py shows it computing the same loss."""
+    """training.loss_impl=plain holds 10 bytes x tokens x vocab of logits; chunked one fp32 chunk and its gradient
+    (disttrain/objectives/token_loss.py CHUNK_LOGITS), as tests/test_loss_impl.py shows it computing the same loss."""
     from disttrain.tools.cost import activations_gb
     from disttrain.metrics.flops import ModelShape
     from disttrain.objectives.token_loss import CHUNK_LOGITS

@@ -8,7 +8,7 @@ import pytest
 
 import tests_support
 from disttrain.recipe.schema import DataSection
-from disttrain.data import IGNORE_INDEX, tokenize_record
+from disttrain.data import tokenize_record
 from disttrain.errors import DataError
 
 CHATML = None  # the tiny tokenizer's own template (ChatML with Qwen-style tool calls)

@@ -103,8 +103,8 @@ def test_port_taken_on_the_master_node(tmp_path, tiny_model_dir):
                                f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert make.returncode != 0 and f"rendezvous port {port} is already in use" in make.stderr
         assert "run: strategy" not in make.stdout and not (tmp_path / "out").exists()  # nothing was launched
-    free = subprocess.run([sys.executable, "-m", "disttrain.runtime.ports", "--port", str(port), "--nodes", "2"], cwd=REPO,
-                          capture_output=True, text=True)
+    free = subprocess.run([sys.executable, "-m", "disttrain.runtime.ports", "--port", str(port), "--nodes", "2"],
+                          cwd=REPO, capture_output=True, text=True)
     assert free.returncode == 0 and free.stderr == ""
 
 

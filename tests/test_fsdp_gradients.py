@@ -15,7 +15,8 @@ def probe(tmp_path, tiny_model_dir, name, **distributed):
     out = tmp_path / name
     recipe = base_recipe(tiny_model_dir, out, training={"grad_accum": 2, "micro_batch_size": 2,
                                                         "mixed_precision": "bf16"}, distributed=distributed)
-    assert_ok(launch("fsdp", write_recipe(tmp_path / f"{name}.yaml", recipe), script="tests/scripts/fsdp_grad_probe.py"))
+    assert_ok(launch("fsdp", write_recipe(tmp_path / f"{name}.yaml", recipe),
+                     script="tests/scripts/fsdp_grad_probe.py"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

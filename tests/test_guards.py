@@ -51,7 +51,7 @@ def test_a_stopped_rank_times_out_naming_rank_step_and_phase(tmp_path, tiny_mode
     text = log_path.read_text()
     assert "error: rank 0 of 2: a collective timed out after 8s in '" in text, text[-4000:]
     assert "warning: rank 0: no progress for" in text  # the stall warning came before the timeout
-    line = next(l for l in text.splitlines() if "a collective timed out" in l)
+    line = next(candidate for candidate in text.splitlines() if "a collective timed out" in candidate)
     step = int(line.split("' at step ")[1].split(":")[0])
     assert step >= 3
     found = diagnose([log_path])
@@ -116,12 +116,14 @@ def test_every_entry_point_keeps_its_process_group_until_it_exits(entry, tmp_pat
     (guards.hold_until_exit) until its os._exit. (FSDP2 and DeepSpeed keep the group referenced themselves: their
     cases pin that, and fail if a later change frees it.)"""
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(tiny_model_dir, tmp_path / "out", training={"max_steps": 2},
-                                                           output={"save_final_model": False, "checkpoint_at_end": False}))
+                                                           output={"save_final_model": False,
+                                                                   "checkpoint_at_end": False}))
     name, _, config = entry.partition("-")
     peer = ["--recipe", str(recipe), "--steps", "2", "--warmup", "1", "--result", str(tmp_path / "peer.json")]
     args = {"train.py": ["train.py", "--recipe", str(recipe)],
             "bench": ["scripts/bench/peers.py", config, *peer],
-            "commbench": ["-m", "disttrain.tools.commbench", "--out", str(tmp_path / "comm.json"), "--max-bytes", "1024"]
+            "commbench": ["-m", "disttrain.tools.commbench", "--out", str(tmp_path / "comm.json"),
+                          "--max-bytes", "1024"]
             }[name]
     proc = launch_script(config if name == "train.py" else "ddp", "tests/scripts/exit_probe.py", args)
     assert_ok(proc)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import assert_ok, launch
 from disttrain.errors import DisttrainError
-from disttrain.runtime.plan import ParallelPlan
+from disttrain.parallel.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, final_weights,
                            losses, make_train, matrix_recipe, small_data, strategy_run)

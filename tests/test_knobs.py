@@ -62,8 +62,8 @@ def test_neftune_adds_noise_only_in_training(tiny_model_dir):
 @pytest.mark.parametrize("parts", [2, 8])
 def test_neftune_on_a_slice_of_the_sequence_draws_the_whole_sequences_noise(tiny_model_dir, parts):
     """Under Ulysses (sp) or context parallelism (cp) each process embeds 1/parts of every sequence; the noise must
-    be what one process draws for the whole sequence, alpha / sqrt(length x hidden), not sqrt(parts) times it
-    (2.8x at the 64k recipe's cp=8). Uniform noise: every draw within the bound, the largest of >= 8,000 within 1% of it."""
+    be what one process draws for the whole sequence, alpha / sqrt(length x hidden), not sqrt(parts) times it (2.8x
+    at the 64k recipe's cp=8). Uniform noise: every draw within the bound, the largest of >= 8,000 within 1% of it."""
     from disttrain.model.loading import add_embedding_noise
 
     def largest_noise(ids, sequence_parts):
@@ -168,7 +168,8 @@ def test_push_to_hub_checks_the_token_first_and_uploads_the_final_dir(tmp_path, 
     assert hub.push(tmp_path, "me/model", api) == "https://huggingface.co/me/model"
     assert api.calls[0] == ("create_repo", "me/model", {"private": True, "exist_ok": True})
     assert api.calls[1][1]["folder_path"] == str(tmp_path) and api.calls[1][1]["repo_id"] == "me/model"
-    with pytest.raises(DisttrainError, match=r"upload failed \(ConnectionError: Hub unreachable\).*huggingface-cli upload"):
+    with pytest.raises(DisttrainError,
+                       match=r"upload failed \(ConnectionError: Hub unreachable\).*huggingface-cli upload"):
         hub.push(tmp_path, "me/model", FakeApi(fail=True))
 
 

@@ -2,7 +2,7 @@
 
 - docs/compatibility.md is the declaration rendered (`make matrix`), byte for byte;
 - every Refused cell is refused in one line by the checks train.py runs before the process group and before any
-  weight loads (compat.check_before_launch with the column's plan; the model's config read, not its weights);
+  weight loads (parallel/checks.check_before_launch with the column's plan; the model's config read, not its weights);
   every NeedsGpu cell is refused in one line without a GPU and let through with one; every Proven cell passes
   those checks (nothing claimed proven is refused);
 - every Proven cell names tests that exist in the suite (collected by pytest itself), so CI runs them;
@@ -20,7 +20,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import torch
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
+from disttrain.parallel.checks import check_before_launch
 from disttrain.recipe import compat, matrix
 from disttrain.recipe.matrix import COLUMNS, FEATURES, NeedsGpu, Proven, Refused
 from disttrain.recipe.schema import load_recipe, recipe_to_dict
@@ -70,10 +70,12 @@ def test_the_features_of_one_run_never_set_the_same_field_two_ways():
 
 # ------------------------------------------------------------------------------------------ the refusals
 def plan_of(config: str):
-    """What compat sees of a launch of this column (runtime/plan.ParallelPlan's fields it reads)."""
+    """The parallel plan of a launch of this column (parallel/plan.ParallelPlan, as its launch would read it)."""
+    from disttrain.parallel.plan import ParallelPlan
+
     c = COLUMN[config]
     label = {"single_gpu": "single"}.get(config, config)
-    return SimpleNamespace(strategy=c.strategy, label=label, sp=c.sp, cp=c.cp, tp=c.tp, tp_data=c.tp_data)
+    return ParallelPlan(c.strategy, label, None, 2, None, c.sp, c.cp, c.tp, c.tp_data)
 
 
 def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, monkeypatch) -> str | None:
@@ -86,7 +88,7 @@ def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, mo
     recipe_file = write_recipe(tmp_path / "r.yaml", base_recipe(model_dir, tmp_path / "out"))
     recipe = load_recipe(recipe_file, list(feature.overrides))
     try:
-        compat.check_before_launch(recipe, plan_of(config), gpu)
+        check_before_launch(recipe, plan_of(config), gpu)
     except DisttrainError as err:
         return str(err)
     return None

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import REPO
 from disttrain.recipe.schema import DataSection, PreferenceSection, load_recipe
@@ -207,7 +206,8 @@ def test_preference_data_formats_drops_and_errors(tmp_path, tokenizer):
     pairs = [  # whole conversations: the shared opening is the prompt (UltraFeedback's own prompt field ignored)
         {"prompt": "Repeat the words. apple",
          "chosen": [{"role": "user", "content": "Repeat the words. apple"}, {"role": "assistant", "content": "apple"}],
-         "rejected": [{"role": "user", "content": "Repeat the words. apple"}, {"role": "assistant", "content": "APPLE!"}]},
+         "rejected": [{"role": "user", "content": "Repeat the words. apple"},
+                      {"role": "assistant", "content": "APPLE!"}]},
         {"prompt": "apple " * 80,
          "chosen": [{"role": "user", "content": "apple " * 80}, {"role": "assistant", "content": "x"}],
          "rejected": [{"role": "user", "content": "apple " * 80}, {"role": "assistant", "content": "y"}]}]

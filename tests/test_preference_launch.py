@@ -159,5 +159,6 @@ def test_tiny_dpo_recipe_learns_the_preference(tmp_path, tiny_model_dir):
     assert train_lines[0]["rewards/accuracy"] < 0.8  # it was learned, not given
     assert all(key in train_lines[-1] for key in METRICS + ("pairs",))
     events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents*")).parent)).Reload()
-    assert {"rewards/accuracy", "rewards/margin", "logps/chosen", "eval_rewards/accuracy"} <= set(events.Tags()["scalars"])
+    assert {"rewards/accuracy", "rewards/margin", "logps/chosen",
+            "eval_rewards/accuracy"} <= set(events.Tags()["scalars"])
     assert (out / "final" / "model.safetensors").is_file()

@@ -230,7 +230,8 @@ COMMUNITY = {
     {% if message['role'] == 'user' %}
         {{ 'GPT4 Correct User: ' + message['content'] + '<|end_of_turn|>' }}
     {% elif message['role'] == 'assistant' %}
-        {{ 'GPT4 Correct Assistant:' }}{% generation %}{{ ' ' + message['content'] + '<|end_of_turn|>' }}{% endgeneration %}
+        {{ 'GPT4 Correct Assistant:' }}{% generation %}\
+{{ ' ' + message['content'] + '<|end_of_turn|>' }}{% endgeneration %}
     {% elif message['role'] == 'system' %}
         {{ message['content'] + '<|end_of_turn|>' }}
     {% endif %}
@@ -351,7 +352,8 @@ def test_a_template_whose_layout_cannot_be_learned_is_one_line_naming_it(tokeniz
     from disttrain.data import templates
 
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = COMMUNITY["zephyr"]["template"].replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok.chat_template = (COMMUNITY["zephyr"]["template"].replace("{% generation %}", "")
+                         .replace("{% endgeneration %}", ""))
 
     def broken(text, markup):
         raise AttributeError("'NoneType' object has no attribute 'end'")

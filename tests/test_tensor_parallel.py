@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
-from disttrain.recipe.compat import check_tensor_parallel, check_tensor_parallel_model
+from disttrain.parallel.checks import check_tensor_parallel, check_tensor_parallel_model
 from disttrain.recipe.schema import load_recipe
 from strategy_runs import assert_exports_from_its_last_checkpoint, assert_preflight_trains_like
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe
@@ -206,7 +206,8 @@ def test_the_plan_groups_every_process_around_one_batch_and_refuses_other_meshes
 
 @pytest.mark.parametrize("recipe_file, override, named", [
     ("sft", "lora.r=8 lora.use_dora=true", "lora.use_dora"), ("dpo", "training.max_steps=2", "training.objective=dpo"),
-    ("sft", "data.streaming=true training.max_steps=4", "data.streaming=true"), ("sft", "training.loss_impl=trl", "training.loss_impl=trl"),
+    ("sft", "data.streaming=true training.max_steps=4", "data.streaming=true"),
+    ("sft", "training.loss_impl=trl", "training.loss_impl=trl"),
     ("sft", "training.compile=true", "training.compile=true"),
     ("sft", "training.mixed_precision=fp16", "training.mixed_precision=fp16")])
 def test_what_tensor_parallelism_does_not_verify_is_refused_in_one_line(recipe_file, override, named):

@@ -15,7 +15,7 @@ from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, SQUARES_
 from disttrain.data.collation import SequenceShard, count_targets, shifted
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
-from disttrain.runtime.plan import ParallelPlan
+from disttrain.parallel.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
 from strategy_runs import make_train, strategy_run
 
@@ -98,7 +98,7 @@ def test_a_ulysses_launch_is_planned_and_labelled(monkeypatch):
                                                  "config's parallelism_config_sp_attn_implementation=sdpa"),
 ])
 def test_what_ulysses_cannot_train_is_refused_in_one_line(recipe, overrides, expected, monkeypatch):
-    from disttrain.recipe.compat import check_sequence_parallel
+    from disttrain.parallel.checks import check_sequence_parallel
     from disttrain.recipe.schema import load_recipe
 
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "sdpa")

@@ -46,7 +46,8 @@ def test_warm_workers_get_what_accelerate_launch_gives_its_workers(tmp_path, con
     assert sorted(warm) == sorted(real) == [f"rank{r}" for r in range(nproc)]
     for rank in real:
         w, r = warm[rank], real[rank]
-        differing = {k for k in set(w["env"]) | set(r["env"]) if w["env"].get(k) != r["env"].get(k)} - PER_LAUNCH - SET_BY_IMPORTS
+        differing = ({k for k in set(w["env"]) | set(r["env"]) if w["env"].get(k) != r["env"].get(k)}
+                     - PER_LAUNCH - SET_BY_IMPORTS)
         assert not differing, {k: (w["env"].get(k), r["env"].get(k)) for k in sorted(differing)}
         assert (w["cwd"], w["path0"], w["main"]) == (r["cwd"], r["path0"], r["main"])
         assert (w["argv"][1:], r["argv"][1:]) == ([str(tmp_path / "warm")], [str(tmp_path / "real")])

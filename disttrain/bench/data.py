@@ -200,7 +200,8 @@ def write_markdown(path: Path, results: dict) -> None:
                                  f"{full[key] / small[key]:.2f} |")
     launch = results.get("launch")
     if launch:
-        ranks = ", ".join(f"rank {r['rank']}: {r['prepare_s']:.1f} s ({'tokenised' if r['tokenised_here'] else 'cache'})"
+        ranks = ", ".join(f"rank {r['rank']}: {r['prepare_s']:.1f} s "
+                          f"({'tokenised' if r['tokenised_here'] else 'cache'})"
                           for r in launch["preparation_per_rank"])
         lines += ["", f"2-process DDP, cold cache: first optimizer step after {launch['seconds_to_first_step']:.1f} s"
                       f" ({ranks})"]
@@ -242,7 +243,8 @@ def main(argv=None) -> None:
         print(f"bench-data: {fmt}: {rows} records, ours {ours['seconds']:.1f} s, floor {floor['seconds']:.1f} s "
               f"-> {results['formats'][fmt]['ratio']:.2f}x", flush=True)
     if args.alpaca >= 4:  # (the full-size pipeline run is the one above)
-        small, full = generate(work / "data", "alpaca", args.alpaca // 4), generate(work / "data", "alpaca", args.alpaca)
+        small, full = (generate(work / "data", "alpaca", args.alpaca // 4),
+                       generate(work / "data", "alpaca", args.alpaca))
         results["memory"] = {"ours": [cold("ours", small, "alpaca"), results["formats"]["alpaca"]["ours"]],
                              "validate": [cold("validate", small, "alpaca"), cold("validate", full, "alpaca")]}
         print("bench-data: memory vs size measured", flush=True)

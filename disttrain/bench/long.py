@@ -121,7 +121,8 @@ def write(out: Path, args, rows: list[dict]) -> None:
              "| mesh | size | config | peak (GB) | floor (GB) | activations (GB) | vs size 1 | step time (s) | "
              "vs size 1 | tokens/s per device |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = (lambda key: format(r[key], ".2f") if key in r else "-")
+        def ratio(key):
+            return format(r[key], ".2f") if key in r else "-"
         lines.append(f"| {r['mesh']} | {r['size']} | {r['config']} | {r['long_peak_gb']:.2f} | "
                      f"{r['floor_peak_gb']:.2f} | {r['activations_gb']:.2f} | {ratio('activations_vs_size1')} | "
                      f"{r['step_s']:.2f} | {ratio('step_time_vs_size1')} | {r['tokens_per_s_per_device']:.0f} |")

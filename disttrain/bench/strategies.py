@@ -4,7 +4,8 @@
 
 Each strategy is a real `accelerate launch` of train.py with logging every step; the first --warmup steps
 are left out of every average. Writes <out>/results.json (read by `make cost --bench`), results.md and
-results.png. Throughput is non-padding tokens; MFU is against the device's dense peak (docs/outputs.md, "Logged metrics").
+results.png. Throughput is non-padding tokens; MFU is against the device's dense peak \
+(docs/outputs.md, "Logged metrics").
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"# Benchmark: {meta['recipe']}", "",
              f"{meta['nproc']} processes, {meta['steps']} steps ({meta['warmup']} warm-up steps excluded), "
              f"{meta['device']}, torch {meta['torch']}", "",
-             "| strategy | tokens/s/device | TFLOPS/device | MFU | peak mem (GB) | step p50 (s) | step p90 (s) | data wait |",
+             "| strategy | tokens/s/device | TFLOPS/device | MFU | peak mem (GB) | step p50 (s) | step p90 (s) | "
+             "data wait |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['tokens_per_s_per_device']:,.0f} | {r['tflops_per_device']:.4g} | "
@@ -147,7 +149,8 @@ def main(argv=None) -> None:
 
     log = (out / "runs" / rows[0]["strategy"] / "launch.log").read_text()
     peak_source = next((line.split("(")[-1].rstrip(")") for line in log.splitlines() if "MFU against" in line), "?")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     meta = {"recipe": args.recipe, "steps": args.steps, "warmup": args.warmup, "nproc": args.nproc,
             "device": device, "torch": torch.__version__, "peak_source": peak_source, "overrides": args.overrides}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))

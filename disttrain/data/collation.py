@@ -134,7 +134,7 @@ class SequenceShard:
     bookkeeping counts this slice only, so sums over all processes count every token once. Padding stays on
     the right (the collator pads each batch to a multiple of the slice count): Ulysses attends causally
     without a mask, which is exact for every real token of a right-padded row. Packed rows are refused
-    before this runs (recipe.compat), since without a mask their examples would attend to each other."""
+    before this runs (parallel/checks.py), since without a mask their examples would attend to each other."""
 
     collate: Collator
     index: int

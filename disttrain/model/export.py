@@ -15,7 +15,8 @@ from disttrain.recipe.schema import ModelSection
 from disttrain.runtime.backends import bare_model
 
 
-def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSection, merge_lora: bool = False) -> Path:
+def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: ModelSection,
+                 merge_lora: bool = False) -> Path:
     """Write a standard HF dir (safetensors + config + tokenizer) that from_pretrained loads.
     `spec` (the recipe's model section) is how the base model is reloaded for `merge_lora`.
 

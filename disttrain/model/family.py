@@ -4,7 +4,7 @@
 mixture-of-experts routing and router loss, its final-logit softcap, whether its embeddings are tied, whether
 transformers has a tensor-parallel plan for it, its heads, and which of its layers attend through a window. The
 loss (objectives/token_loss.py), the FLOP count (metrics/flops.py), the loader (model/loading.py) and the
-launch checks (recipe/compat.py) ask it instead of each reading config attributes. A new family quirk is a
+launch checks (parallel/checks.py) ask it instead of each reading config attributes. A new family quirk is a
 field here and the one place that honours it. (Transforms that live on the module rather than the config,
 Cohere's `logit_scale` or Falcon-H1's `lm_head_multiplier`, are read from the live model by the loss.)
 """

@@ -355,7 +355,8 @@ def markdown() -> str:
             elif isinstance(value, Refused):
                 text = f"✗ \"…{value.says}…\"" + (" (the refusal on a GPU machine)" if value.on_gpu else "")
             else:
-                item = f"acceptance item `{value.acceptance}`" if value.acceptance else "no acceptance item yet: unverified"
+                item = (f"acceptance item `{value.acceptance}`" if value.acceptance
+                        else "no acceptance item yet: unverified")
                 text = "GPU: refused without a CUDA GPU; " + item
             detail.append(f"- {c.title}: {text}")
         detail.append("")

@@ -54,7 +54,8 @@ def model_card(run_dir: str | Path) -> str:
         base_model=_hub_id(base), library_name="peft" if lora else "transformers",
         license="other",  # a placeholder: set the license your base model and data allow
         datasets=[d for d in (_hub_id(s.get("path")) for s in sources) if d] or None,
-        tags=["disttrain", objective, *(["lora"] if lora else []), *([facts["strategy"]] if "strategy" in facts else [])])
+        tags=["disttrain", objective, *(["lora"] if lora else []),
+              *([facts["strategy"]] if "strategy" in facts else [])])
     loader = ("from peft import AutoPeftModelForCausalLM\n\n"
               "model = AutoPeftModelForCausalLM.from_pretrained(\"<this directory>\")  # loads the base model too"
               if lora else
@@ -86,7 +87,8 @@ def model_card(run_dir: str | Path) -> str:
            "the base model with the same tokenizer and prompts:", "", eval_results.table(evaluation), ""]
           if evaluation else []),
         "## How to load", "", "```python", loader, "```", "",
-        "## Recipe", "", "The exact recipe of this run (overrides applied):", "", "```yaml", recipe_text.rstrip(), "```",
+        "## Recipe", "", "The exact recipe of this run (overrides applied):", "",
+        "```yaml", recipe_text.rstrip(), "```",
     ]
     return "---\n" + header.to_yaml() + "\n---\n\n" + "\n".join(body) + "\n"
 

@@ -111,7 +111,7 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
 
     from disttrain.model.params import count_parameters
 
-    strategy, mesh = plan.strategy, plan.mesh  # runtime/plan.ParallelPlan
+    strategy, mesh = plan.strategy, plan.mesh  # parallel/plan.ParallelPlan
 
     total, trainable = count_parameters(bare_model(accelerator, model))
     t = recipe.training
@@ -134,9 +134,11 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
         f"run: params={total / 1e6:.2f}M trainable={trainable / 1e6:.2f}M "
         f"global_batch={global_batch} rows ({t.micro_batch_size} x {t.grad_accum} accum x "
         f"{data_ranks} {'procs' if data_ranks == accelerator.num_processes else f'groups of {plan.group} procs'}) "
-        f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} total_steps={total_steps}")
+        f"steps/epoch={'(a stream: passes per rank)' if recipe.data.streaming else per_epoch} "
+        f"total_steps={total_steps}")
     from disttrain.runtime.backends import fsdp_layout
 
     layout = fsdp_layout(model)
     if layout:  # FSDP2 or TP: which mesh the parameters live on (HSDP: replicated x sharded)
-        accelerator.print(f"run: {'tensor-parallel' if plan.tp > 1 else 'FSDP2'} parameters on the mesh {layout}")
+        accelerator.print(f"run: {'tensor-parallel' if plan.tensor_parallel else 'FSDP2'} parameters on the mesh "
+                          f"{layout}")

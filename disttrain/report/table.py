@@ -35,7 +35,8 @@ def summary_row(run_dir: str | Path) -> dict:
         "run": str(run), "strategy": facts.get("strategy"), "processes": facts.get("processes"),
         "objective": training.get("objective", "sft"), "lora": recipe.get("lora") is not None,
         "lr": training.get("lr"), "global_batch": facts.get("global_batch"),
-        "step": step, "total_steps": total, "complete": (run / "final").is_dir() or (total is not None and step >= total),
+        "step": step, "total_steps": total,
+        "complete": (run / "final").is_dir() or (total is not None and step >= total),
         "train_loss": train[-1]["loss"] if train else None, "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_s_per_device": _median([r["tokens_per_s_per_device"] for r in train[1:] or train
                                             if "tokens_per_s_per_device" in r]),

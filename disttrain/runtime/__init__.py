@@ -1,6 +1,5 @@
 """The distributed world this launch runs in.
 
-    plan.py      the parallel plan: strategy, ZeRO stage, data ranks, the reduction group (the mesh's seam)
     backends.py  the Accelerator for the launched strategy, on GPUs or on CPU processes over gloo
     fsdp_cpu.py  the small adapters that let FSDP2 and TP run on CPU processes (tests, preflight)
     guards.py    hangs named by phase and step, replica checksums, loss spread, collective failures in one line

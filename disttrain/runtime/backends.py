@@ -127,23 +127,30 @@ def _without_shared_memory_kernels() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def build_accelerator(recipe: Recipe):
-    from accelerate import Accelerator
-    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
-                                  ProjectConfiguration, TorchDynamoPlugin)
+def _process_group_kwargs(recipe: Recipe, strategy: str, gpu: bool, report_to: list[str]):
+    """How long a rank waits in a collective for the others (guards.py turns a timeout into one clear line), and
+    DeepSpeed readied before the group exists: imported without mlflow, over gloo on CPU processes."""
+    from accelerate.utils import InitProcessGroupKwargs
 
-    strategy = launcher_strategy()
-    gpu = has_gpu()
-    report_to = [t for t in recipe.logging.report_to if t != "none"]
-    _wandb_offline_without_key(report_to)
-
-    # how long a rank waits in a collective for the others (guards.py turns a timeout into one clear line)
     pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
     if strategy == "deepspeed":
         _import_deepspeed_without_mlflow(report_to)
     if not gpu and strategy == "deepspeed":
         pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
         _without_shared_memory_kernels()
+    return pg_kwargs
+
+
+def build_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration,
+                                  TorchDynamoPlugin)
+
+    strategy = launcher_strategy()
+    gpu = has_gpu()
+    report_to = [t for t in recipe.logging.report_to if t != "none"]
+    _wandb_offline_without_key(report_to)
+    pg_kwargs = _process_group_kwargs(recipe, strategy, gpu, report_to)
     kwargs = dict(
         # The loop fetches each accumulation window up front (to count its target tokens), which makes
         # accelerate's end-of-dataloader flag fire early; sync on the step counter alone instead.

@@ -33,7 +33,8 @@ def launch_command(config: str | Path, nproc: int, script: str | Path, *args: st
     `config` may also be the path of another .yaml. DISTTRAIN_LAUNCHER, if set, names a script that takes
     `accelerate launch`'s arguments in its place: the test suite's warm launcher (tests/warm/)."""
     config_file = str(config) if str(config).endswith(".yaml") else str(REPO / "accelerate_configs" / f"{config}.yaml")
-    launcher = [os.environ["DISTTRAIN_LAUNCHER"]] if os.environ.get("DISTTRAIN_LAUNCHER") else ["-m", "accelerate.commands.launch"]
+    launcher = ([os.environ["DISTTRAIN_LAUNCHER"]] if os.environ.get("DISTTRAIN_LAUNCHER")
+                else ["-m", "accelerate.commands.launch"])
     return [sys.executable, *launcher, "--config_file", config_file,
             "--num_processes", str(nproc), "--main_process_port", str(free_port()), *launcher_args,
             str(REPO / script), *args]

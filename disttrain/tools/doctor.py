@@ -306,9 +306,10 @@ def classify(backend: str, nodes: int, busbw: float) -> tuple[str, str, str]:
             return "InfiniBand / RoCE class between nodes", PASS, ""
         if busbw >= 2:
             return "Ethernet class between nodes", WARN, ("ZeRO-3/FSDP across nodes will be communication-bound: "
-                                                          "prefer DDP/ZeRO-1/2 or check that NCCL uses the IB/RoCE NICs "
-                                                          "(NCCL_DEBUG=INFO shows NET/IB vs NET/Socket)")
-        return "slow network between nodes", WARN, "NCCL is probably on TCP sockets: NCCL_DEBUG=INFO, NCCL_SOCKET_IFNAME"
+                                                          "prefer DDP/ZeRO-1/2 or check that NCCL uses the IB/RoCE "
+                                                          "NICs (NCCL_DEBUG=INFO shows NET/IB vs NET/Socket)")
+        return "slow network between nodes", WARN, ("NCCL is probably on TCP sockets: "
+                                                    "NCCL_DEBUG=INFO, NCCL_SOCKET_IFNAME")
     if busbw >= 100:
         return "NVLink / NVSwitch", PASS, ""
     if busbw >= 5:
@@ -328,7 +329,8 @@ def run_bandwidth(nproc: int, nodes: int, node_rank: int, master_addr: str, mast
                "-m", "disttrain.tools.commbench", "--out", str(out), "--timeout-s", str(timeout_s)]
         if max_bytes:
             cmd += ["--max-bytes", str(max_bytes)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s + 60, env=env)
         except subprocess.TimeoutExpired:
@@ -346,7 +348,8 @@ def bandwidth_checks(bench: dict) -> list[Check]:
         best = max(rows, key=lambda r: r["busbw_gbps"])
         checks.append(Check(f"{op} bandwidth", PASS,
                             f"{bench['backend']} x{bench['world_size']} ranks / {bench['nodes']} node(s): peak busbw "
-                            f"{best['busbw_gbps']:.2f} GB/s (algbw {best['algbw_gbps']:.2f}) at {_size(best['bytes'])}"))
+                            f"{best['busbw_gbps']:.2f} GB/s (algbw {best['algbw_gbps']:.2f}) "
+                            f"at {_size(best['bytes'])}"))
     peak = max(r["busbw_gbps"] for r in bench["results"] if r["op"] == "all_reduce")
     label, status, fix = classify(bench["backend"], bench["nodes"], peak)
     checks.append(Check("interconnect", status, label, fix))

@@ -232,7 +232,8 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
     base = launch_command(strategy, nproc, "train.py", "--recipe", str(recipe_path), *overrides, *cpu)
     env = ring_on_cpu(config_file)
     if env:
-        print("       note: context parallelism on CPU: torch's ring with the test-only CPU kernel mapping (tests/cpu_ring)")
+        print("       note: context parallelism on CPU: torch's ring with the test-only CPU kernel mapping "
+              "(tests/cpu_ring)")
     half = max(1, steps // 2)
 
     # save: stop half-way, as a preempted job would, leaving a checkpoint
@@ -275,7 +276,8 @@ def main(argv=None) -> None:
     parser.add_argument("--work-dir", default=None, help="default: outputs/preflight/<recipe>-<strategy>")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = parser.parse_args(argv)
-    work = Path(args.work_dir or f"outputs/preflight/{Path(args.recipe).parent.name}-{Path(args.recipe).stem}-{args.strategy}")
+    work = Path(args.work_dir or f"outputs/preflight/{Path(args.recipe).parent.name}-"
+                                 f"{Path(args.recipe).stem}-{args.strategy}")
     report = run(args.recipe, args.strategy, args.nproc, args.steps, work.resolve(), args.overrides)
     print("preflight:", "FAILED" if report.failed() else "all stages passed")
     sys.exit(1 if report.failed() else 0)

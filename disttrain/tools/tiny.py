@@ -82,7 +82,8 @@ def sharegpt_records(n: int, seed: int) -> list[dict]:
         if i % 4 == 0:
             words = inp or answer
             turns = [{"from": "human", "value": f"How many words are there? {words}"},
-                     {"from": "function_call", "value": json.dumps({"name": "count_words", "arguments": {"text": words}})},
+                     {"from": "function_call",
+                      "value": json.dumps({"name": "count_words", "arguments": {"text": words}})},
                      {"from": "observation", "value": str(len(words.split()))},
                      {"from": "gpt", "value": str(len(words.split()))}]
             out.append({"conversations": turns, "tools": json.dumps([COUNT_TOOL])})

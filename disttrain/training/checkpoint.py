@@ -64,7 +64,7 @@ class RunShape:
 
     @classmethod
     def of(cls, plan, training, streaming: bool) -> RunShape:
-        """This launch's shape, from its parallel plan (runtime/plan.py) and the recipe's training section."""
+        """This launch's shape, from its parallel plan (parallel/plan.py) and the recipe's training section."""
         return cls(plan.processes, plan.checkpoint_strategy, training.micro_batch_size, training.grad_accum,
                    streaming, plan.zero_stage, plan.mesh)
 
@@ -222,7 +222,8 @@ def verify(checkpoint: Path) -> None:
     try:
         expected = json.loads(manifest_path.read_text())["files"]
     except (json.JSONDecodeError, KeyError):
-        raise CheckpointError(f"checkpoint {checkpoint}: {MANIFEST} is damaged; resume from another checkpoint") from None
+        raise CheckpointError(f"checkpoint {checkpoint}: {MANIFEST} is damaged; "
+                              "resume from another checkpoint") from None
     actual = _files_with_sizes(checkpoint)
     actual.pop(MANIFEST, None)
     for rel, size in expected.items():

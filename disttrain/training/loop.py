@@ -221,7 +221,7 @@ class Run:
     loss: TokenLoss
     steps: StepSource
     recipe: Any
-    plan: Any = None  # runtime/plan.ParallelPlan; None: one process, nothing cut
+    plan: Any = None  # parallel/plan.ParallelPlan; None: one process, nothing cut
     checkpointer: Any = None  # training/checkpoint.Checkpointer; None: nothing saved
     throughput: tuple = (None, None)  # (metrics.flops.FlopsMeter, peak FLOP/s per device): MFU in the metrics
 

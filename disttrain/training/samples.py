@@ -86,7 +86,8 @@ def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
         elif tracker.name == "wandb":
             import wandb
 
-            table = wandb.Table(columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples])
+            table = wandb.Table(columns=["prompt", "completion"],
+                                data=[[s["prompt"], s["completion"]] for s in samples])
             tracker.log({"samples": table}, step=step)
 
 

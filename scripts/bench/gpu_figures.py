@@ -94,7 +94,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# GPU figures: {meta['shape']} Llama shape ({meta['params']}), seq {meta['seq']}, micro-batch "
              f"{meta['micro_batch']}, {meta['precision']}, {meta['steps']} steps ({meta['warmup']} warm-up excluded)",
              "", f"{meta['device']}, torch {meta['torch']}", "",
-             "| config | compile | grad ckpt | tokens/s/device | TFLOPS/device | MFU | HFU | peak mem (GB) | step p50 (s) |",
+             "| config | compile | grad ckpt | tokens/s/device | TFLOPS/device | MFU | HFU | peak mem (GB) | "
+             "step p50 (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['config']} | {'yes' if r['compile'] else 'no'} | {'yes' if r['grad_ckpt'] else 'no'} |"
@@ -103,7 +104,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             continue
         hfu = f"{r['hfu']:.1%}" if "hfu" in r else "-"
         lines.append(f"{head} {r['tokens_per_s_per_device']:,.0f} | {r['tflops_per_device']:.3g} | "
-                     f"{r['mfu']:.1%} ({mfu_band(r['mfu'])}) | {hfu} | {r['peak_mem_gb']:.1f} | {r['step_time_p50_s']:.3f} |")
+                     f"{r['mfu']:.1%} ({mfu_band(r['mfu'])}) | {hfu} | {r['peak_mem_gb']:.1f} | "
+                     f"{r['step_time_p50_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +144,9 @@ def main(argv=None) -> int:
     data = write_corpus(work / "corpus.jsonl", args.steps * args.micro_batch * args.seq, args.seq)
     recipe_path = work / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe(args, model_dir, data), sort_keys=False))
-    meta = {"shape": args.shape, "params": f"{params / 1e9:.2f}B parameters" if params > 1e8 else f"{params / 1e6:.2f}M parameters", "seq": args.seq,
+    meta = {"shape": args.shape,
+            "params": f"{params / 1e9:.2f}B parameters" if params > 1e8 else f"{params / 1e6:.2f}M parameters",
+            "seq": args.seq,
             "micro_batch": args.micro_batch, "precision": args.precision, "steps": args.steps,
             "warmup": args.warmup, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"}

@@ -212,7 +212,8 @@ def slim_bitsandbytes(wheel: Path, cuda: str) -> tuple[int, int]:
     before = wheel.stat().st_size
     slim = wheel.with_suffix(".slim")
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as dst:
-        libraries = [i.filename for i in src.infolist() if re.search(r"libbitsandbytes_\w+\.(so|dylib|dll)$", i.filename)]
+        libraries = [i.filename for i in src.infolist()
+                     if re.search(r"libbitsandbytes_\w+\.(so|dylib|dll)$", i.filename)]
         if not any(keep.search(name) and "cuda" in name for name in libraries):
             raise SystemExit(f"error: {wheel.name} has no libbitsandbytes_cuda{cuda}; it has: "
                              + ", ".join(sorted(Path(n).name for n in libraries)))

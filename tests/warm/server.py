@@ -69,7 +69,7 @@ def preload() -> None:
     for name in ("disttrain.recipe.schema", "disttrain.data", "disttrain.data.feed",
                  "disttrain.evaluation.during_training", "disttrain.metrics.log", "disttrain.metrics.throughput",
                  "disttrain.metrics.trackers", "disttrain.model.loading", "disttrain.objectives",
-                 "disttrain.recipe.compat", "disttrain.report.run_files", "disttrain.runtime.plan",
+                 "disttrain.recipe.compat", "disttrain.report.run_files", "disttrain.parallel.plan",
                  "disttrain.training.checkpoint", "disttrain.training.handover", "disttrain.training.loop",
                  "disttrain.training.optim", "disttrain.training.samples"):
         __import__(name)
@@ -221,7 +221,8 @@ class _Launch:
                          "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
                          "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                          "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
-                         "TORCHELASTIC_SIGNALS_TO_HANDLE": getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
+                         "TORCHELASTIC_SIGNALS_TO_HANDLE": getattr(args, "signals_to_handle",
+                                                                   "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
                          "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                          "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         script_args = list(args.training_script_args)
@@ -231,7 +232,8 @@ class _Launch:
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
             raise ChildFailedError(name=args.training_script, failures={
-                rank: ProcessFailure(local_rank=rank, pid=0, exitcode=code, error_file="") for rank, code in failed.items()})
+                rank: ProcessFailure(local_rank=rank, pid=0, exitcode=code, error_file="")
+                for rank, code in failed.items()})
 
     def single(self, cmd, current_env, quiet) -> None:
         """accelerate's single-process launch: `[python, script, *args]` run with `current_env`."""

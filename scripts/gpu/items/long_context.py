@@ -36,8 +36,8 @@ def _build_8b(out) -> int:
 
 
 def long_context_single(ctx: Ctx) -> tuple[str, str]:
-    """LoRA (r 8 on every linear layer) on the 8B shape, bf16 weights, gradient checkpointing, activation offload to pinned
-    host memory, the chunked loss; one packed row of L tokens per step, L doubled from 16k: the longest L that
+    """LoRA (r 8 on every linear layer) on the 8B shape, bf16 weights, gradient checkpointing, activation offload to
+    pinned host memory, the chunked loss; one packed row of L tokens per step, L doubled from 16k: the longest L that
     trains 3 finite steps, its tokens/s and peak memory; the first L that does not fit (CUDA out of memory) ends
     the search. The dry run takes the same path on the items' tiny model at 256 and 512 tokens."""
     import gpu_figures  # on sys.path since acceptance.prepare

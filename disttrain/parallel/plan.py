@@ -26,8 +26,9 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from disttrain.errors import DisttrainError
-from disttrain.runtime.backends import launcher_strategy, mesh_sizes, run_label, world_size, zero_stage
+from disttrain.parallel import checks
+from disttrain.parallel.mesh import read_mesh
+from disttrain.runtime.backends import launcher_strategy, run_label, world_size, zero_stage
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ParallelPlan:
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
-        mesh, sp, cp, tp, tp_data = _mesh(launcher_strategy(), world_size())
+        mesh, sp, cp, tp, tp_data = read_mesh(launcher_strategy(), world_size())
         return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp, tp, tp_data)
 
     @property
@@ -63,6 +64,31 @@ class ParallelPlan:
     def checkpoint_strategy(self) -> str:
         """The strategy a checkpoint records: one process is DDP-compatible (its files load under DDP)."""
         return "ddp" if self.strategy == "single" else self.strategy
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """The weights are split across processes (tp.yaml, fsdp_tp.yaml)."""
+        return self.tp > 1
+
+    @property
+    def sequence_parts(self) -> int:
+        """Processes each sequence is cut over (Ulysses' sp, the ring's cp): NEFTune scales its noise by it."""
+        return self.sp * self.cp
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        """What this mesh refuses of a recipe, in one line each, before the process group exists."""
+        checks.check_sequence_parallel(recipe, self.sp, self.cp)
+        checks.check_ring_kernel(self.cp, gpu)
+        checks.check_tensor_parallel(recipe, self.tp, self.tp_data[0] * self.tp_data[1])
+
+    def check_model(self, recipe) -> None:
+        """What this mesh refuses of the recipe's model, from its config.json alone (before any weight)."""
+        checks.check_model_config(recipe, self.sp, self.cp, self.tp, self.tp_data[0] * self.tp_data[1])
+
+    def load_kwargs(self) -> dict:
+        """What model loading needs to know of the mesh: transformers splits (and under FSDP2 + TP shards) the
+        model as it loads it (model/loading.py)."""
+        return {"tp": self.tp, "tp_data": self.tp_data}
 
     def data_rank(self, accelerator) -> int:
         """Which share of the data this process reads: the processes of a sequence group read the same."""
@@ -140,60 +166,3 @@ def _reduce_on_last_micro_batch(accelerator, model, replicas: int):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def _mesh(strategy: str, processes: int) -> tuple[str | None, int, int, int, tuple[int, int]]:
-    """The launch's mesh, checked, with its sequence-, context- and tensor-parallel sizes and the data-parallel
-    dimensions around tensor parallelism: HSDP (replicas x shards) or context parallelism (groups x cp) under
-    FSDP2, Ulysses (groups x sp) under DeepSpeed; tensor parallelism alone (tp = every process) or under FSDP2
-    laid by transformers (replicas x shards x tp); it must cover every process."""
-    sizes = mesh_sizes()
-    if sizes is None:
-        return None, 1, 1, 1, (1, 1)
-    if sizes["tp"] > 1:
-        return _tensor_parallel_mesh(strategy, processes, sizes)
-    if sizes["cp"] > 1:
-        if strategy != "fsdp" or sizes["dp_replicate"] > 1 or sizes["sp"] > 1:
-            raise DisttrainError(f"parallelism_config: cp_size={sizes['cp']} needs FSDP2 without dp_replicate or "
-                                 "sp (torch's ring attention, as accelerate runs it); use accelerate_configs/"
-                                 "fsdp_cp.yaml")
-        if sizes["dp_shard"] * sizes["cp"] != processes:
-            raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x cp_size={sizes['cp']} "
-                                 f"must equal the {processes} processes launched; set --parallelism_config_dp_"
-                                 "shard_size to processes / cp_size (make train-fsdp-cp CP=... does)")
-        return f"dp_shard={sizes['dp_shard']},cp={sizes['cp']}", 1, sizes["cp"], 1, (1, 1)
-    if sizes["sp"] > 1:
-        if strategy != "deepspeed" or sizes["dp_replicate"] > 1:
-            raise DisttrainError(f"parallelism_config: sp_size={sizes['sp']} needs DeepSpeed without "
-                                 "dp_replicate (Ulysses is DeepSpeed's); use accelerate_configs/zero3_ulysses.yaml")
-        if sizes["dp_shard"] * sizes["sp"] != processes:
-            raise DisttrainError(f"parallelism_config: dp_shard_size={sizes['dp_shard']} x sp_size={sizes['sp']} "
-                                 f"must equal the {processes} processes launched; set --parallelism_config_dp_"
-                                 "shard_size to processes / sp_size (make train-zero3-ulysses SP=... does)")
-        return f"dp_shard={sizes['dp_shard']},sp={sizes['sp']}", sizes["sp"], 1, 1, (1, 1)
-    if sizes["dp_replicate"] * sizes["dp_shard"] != processes:
-        raise DisttrainError(f"parallelism_config: dp_replicate_size={sizes['dp_replicate']} x dp_shard_size="
-                             f"{sizes['dp_shard']} must equal the {processes} processes launched; set "
-                             "--parallelism_config_dp_replicate_size to the nodes and --parallelism_config_"
-                             "dp_shard_size to the GPUs per node (make train-hsdp does)")
-    return f"dp_replicate={sizes['dp_replicate']},dp_shard={sizes['dp_shard']}", 1, 1, 1, (1, 1)
-
-
-def _tensor_parallel_mesh(strategy: str, processes: int, sizes: dict[str, int]):
-    """tp alone (tp.yaml) or under FSDP2 (fsdp_tp.yaml): both are MULTI_GPU launches, because transformers, not
-    accelerate, splits and shards the model as it loads it (accelerate 1.16's own FSDP2 + TP path imports
-    transformers' ReplicateParallel, which transformers 5 removed)."""
-    tp, replicas, shards = sizes["tp"], sizes["dp_replicate"], sizes["dp_shard"]
-    others = {dim: sizes[dim] for dim in ("cp", "sp") if sizes[dim] > 1}
-    if strategy != "ddp" or others:
-        raise DisttrainError(f"parallelism_config: tp_size={tp} runs alone (accelerate_configs/tp.yaml) or under "
-                             "FSDP2 laid out by transformers (accelerate_configs/fsdp_tp.yaml, distributed_type "
-                             f"MULTI_GPU), not with {'an FSDP or DeepSpeed config' if strategy != 'ddp' else others}; "
-                             "use one of those two files, or set tp_size to 1")
-    if replicas * shards * tp != processes:
-        raise DisttrainError(f"parallelism_config: dp_replicate_size={replicas} x dp_shard_size={shards} x tp_size="
-                             f"{tp} must equal the {processes} processes launched; set --parallelism_config_tp_size "
-                             "to the processes (make train-tp) or --parallelism_config_dp_shard_size to processes / "
-                             "tp_size (make train-fsdp-tp TP=... does)")
-    dims = [f"dp_replicate={replicas}"] * (replicas > 1) + [f"dp_shard={shards}"] * (shards > 1) + [f"tp={tp}"]
-    return ",".join(dims), 1, 1, tp, (replicas, shards)

@@ -1,0 +1,184 @@
+"""What each mesh refuses, in one line, before any weight loads: of the recipe (sequence and context
+parallelism's data, objective, kernels; tensor parallelism's features) and of the model's config (windowed
+attention or a router loss across a cut sequence; a tensor-parallel plan, divisible heads, untied embeddings
+under FSDP2 + TP). ParallelPlan.check_recipe / check_model call them with the launch's sizes."""
+
+from __future__ import annotations
+
+import os
+
+from disttrain.errors import DisttrainError
+from disttrain.model.family import Family
+from disttrain.recipe.compat import ALLOW_UNVERIFIED
+from disttrain.recipe.schema import Recipe
+
+
+def check_sequence_parallel(recipe: Recipe, sp: int, cp: int = 1) -> None:
+    """Ulysses (sp processes per sequence) and context parallelism (cp) attend causally with no mask and feed
+    plain padded rows (data.collation.SequenceShard, ContextShard); Ulysses on the attention kernel the accelerate
+    config names, the ring on sdpa."""
+    if sp == 1 and cp == 1:
+        return
+    d, m = recipe.data, recipe.model
+    where, name, plain = (("accelerate_configs/zero3_ulysses.yaml (sp_size > 1)", "Ulysses", "zero3.yaml") if sp > 1
+                          else ("accelerate_configs/fsdp_cp.yaml (cp_size > 1)", "the attention ring", "fsdp.yaml"))
+    if d.packing or d.chunk_isolate_documents:
+        raise DisttrainError(f"data.{'packing' if d.packing else 'chunk_isolate_documents'}=true is not supported "
+                             f"under {where}: {name} drops the attention mask, so packed examples would attend to "
+                             "each other; set it to false (long rows need no packing)")
+    if d.streaming:
+        raise DisttrainError(f"data.streaming=true is not supported under {where} yet (streams are packed); use a "
+                             "map-style dataset (data.streaming=false)")
+    if recipe.training.objective != "sft":
+        raise DisttrainError(f"training.objective={recipe.training.objective} is not supported under {where} "
+                             f"yet; train it without sequence parallelism ({plain})")
+    if recipe.lora is not None and recipe.lora.target_parameters:
+        raise DisttrainError(f"lora.target_parameters (LoRA on fused experts) is not supported under {where} yet "
+                             f"(unverified: the mixture-of-experts recipes are proven without it); train it under "
+                             f"{plain}")
+    if cp > 1:
+        if m.attn_implementation != "sdpa":
+            raise DisttrainError(f"model.attn_implementation={m.attn_implementation} is not supported under {where}: "
+                                 "torch's ring attention replaces sdpa's kernels only; set it to sdpa")
+        return
+    kernel = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "sdpa")
+    if m.attn_implementation != kernel:
+        raise DisttrainError(f"model.attn_implementation={m.attn_implementation} differs from the accelerate "
+                             f"config's parallelism_config_sp_attn_implementation={kernel}; Ulysses wraps the "
+                             "config's kernel, so set both to the same (sdpa)")
+    if kernel != "sdpa" and os.environ.get(ALLOW_UNVERIFIED) != "1":
+        raise DisttrainError(f"Ulysses with attn_implementation={kernel} is unverified here (only sdpa is tested); "
+                             f"use sdpa, or set {ALLOW_UNVERIFIED}=1 to try it")
+
+
+def check_ring_kernel(cp: int, gpu: bool) -> None:
+    """torch's ring attention maps only its CUDA attention kernels to their ring versions; on a CPU, sdpa's CPU
+    kernel is unknown to it and the first forward ends in a NotImplementedError deep in torch, unless the
+    project's test-only CPU mapping (tests/cpu_ring, which preflight and bench-long put on PYTHONPATH) is loaded."""
+    if cp == 1 or gpu:
+        return
+    import torch
+
+    try:  # torch's private module: a torch that moved it has no CPU mapping to find
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+    except ImportError:
+        ring = None
+    if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in getattr(ring, "custom_ops", {}):
+        raise DisttrainError("accelerate_configs/fsdp_cp.yaml (context parallelism) needs CUDA GPUs: torch's ring "
+                             "attention runs only its CUDA attention kernels; on this machine train with fsdp.yaml, "
+                             "or try the mesh with `make preflight STRATEGY=fsdp_cp` (it loads the project's "
+                             "test-only CPU kernel mapping, tests/cpu_ring)")
+
+
+def check_sequence_model(config, sp: int, cp: int) -> None:
+    """What only the model's config says (read before any weight: check_model_config): both meshes
+    attend with full causal attention only (no mask travels with the slices), and the router's load-balancing
+    loss of a mixture of experts would be computed per slice, not over the sequence (it is not additive over
+    positions), so it would differ from one process's."""
+    _check_sequence_family(Family.of(config), sp, cp)
+
+
+def _check_sequence_family(family: Family, sp: int, cp: int) -> None:
+    if sp == 1 and cp == 1:
+        return
+    where = "accelerate_configs/zero3_ulysses.yaml (sp_size > 1)" if sp > 1 else "accelerate_configs/fsdp_cp.yaml"
+    if family.windowed_layers:
+        raise DisttrainError(f"{family.name} has {sorted(family.windowed_layers)} layers: not supported under "
+                             f"{where}, which attends with full causal attention only (their window would be "
+                             "dropped); train it without sequence parallelism")
+    if family.router_loss:
+        raise DisttrainError(f"model.router_aux_loss_coef (the router's load-balancing loss) is not supported under "
+                             f"{where}: each process would compute it on its slice of the sequence, not on the whole "
+                             "sequence as one process does; remove the field, or train without sequence parallelism")
+
+
+TENSOR_PARALLEL_CONFIGS = "accelerate_configs/tp.yaml or fsdp_tp.yaml"
+
+
+def check_tensor_parallel(recipe: Recipe, tp: int, data_parallel: int = 1) -> None:
+    """Tensor parallelism is verified here for the SFT objective on map-style data, under the chunked and the plain
+    loss: full fine-tuning alone and under FSDP2 (`data_parallel` > 1 groups), LoRA alone; the rest is refused,
+    not guessed."""
+    if tp == 1:
+        return
+    where = f"tensor parallelism ({TENSOR_PARALLEL_CONFIGS}, tp_size > 1)"
+    lora = recipe.lora
+    refused = [(lora is not None and data_parallel > 1,
+                "a lora section under FSDP2 + TP (peft's adapters come after the FSDP2 transformers applies, which "
+                "would not shard or reduce them; LoRA runs under tp.yaml alone)"),
+               (recipe.model.quantization is not None, "model.quantization (QLoRA's 4-bit weights on tensor-parallel "
+                "layers, unverified here)"),
+               (lora is not None and (lora.use_dora or bool(lora.target_parameters) or bool(lora.modules_to_save)),
+                "lora.use_dora, lora.target_parameters or lora.modules_to_save (on tensor-parallel layers, "
+                "unverified here)"),
+               (recipe.training.mixed_precision == "fp16",
+                "training.mixed_precision=fp16 (its loss scaler's overflow check must agree across the processes' "
+                "shards, unverified here; use bf16)"),
+               (recipe.training.optimizer != "adamw", f"training.optimizer={recipe.training.optimizer} (on "
+                "tensor-parallel DTensors, unverified here)"),
+               (recipe.training.objective != "sft", f"training.objective={recipe.training.objective}"),
+               (recipe.data.streaming, "data.streaming=true"),
+               (recipe.training.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head reads lm_head whole)"),
+               (recipe.training.compile, "training.compile=true")]
+    for found, what in refused:
+        if found:
+            raise DisttrainError(f"{what} is not supported under {where} yet; train it under ddp.yaml, fsdp.yaml or "
+                                 "a ZeRO config")
+
+
+def check_tensor_parallel_model(config, tp: int, data_parallel: int = 1) -> None:
+    """What only the model's config says (read before the weights are loaded and split): transformers' plan for
+    it, attention and key/value heads that divide over the tp processes (each keeps whole heads), and, under
+    FSDP2 + TP (`data_parallel` > 1 groups), separate input and output embeddings."""
+    _check_tensor_parallel_family(Family.of(config), tp, data_parallel)
+
+
+def _check_tensor_parallel_family(family: Family, tp: int, data_parallel: int) -> None:
+    if tp == 1:
+        return
+    where = TENSOR_PARALLEL_CONFIGS
+    if not family.tp_plan:
+        raise DisttrainError(f"{family.name} has no tensor-parallel plan in transformers (base_model_tp_plan); "
+                             f"it cannot train under {where}: use fsdp.yaml or a ZeRO config")
+    heads, kv_heads = family.heads, family.kv_heads
+    if heads % tp or kv_heads % tp:
+        raise DisttrainError(f"{family.name} has {heads} attention and {kv_heads} key/value heads: tensor "
+                             f"parallelism over {tp} processes needs both divisible by {tp} (each keeps whole heads); "
+                             f"launch {where} with --num_processes / --parallelism_config_tp_size dividing {kv_heads}")
+    if data_parallel > 1 and family.tied_embeddings:
+        # transformers 5.25 applies FSDP2 before it ties lm_head to the embeddings: they become two FSDP2
+        # parameters (embed_tokens grouped with the final norm, lm_head in the root group), and lm_head computes
+        # with a copy the optimizer never updates (measured: the losses leave one process's from step 2)
+        raise DisttrainError(f"{family.name} ties its input and output embeddings (tie_word_embeddings): "
+                             "under FSDP2 + TP (fsdp_tp.yaml) transformers shards the two in separate FSDP2 groups "
+                             "and lm_head would train a stale copy; use tp.yaml (tensor parallelism alone) or "
+                             "fsdp.yaml")
+
+
+def check_model_config(recipe: Recipe, sp: int, cp: int, tp: int, data_parallel: int) -> None:
+    """What only the model's config says about the sequence and tensor-parallel meshes, read (config.json only)
+    before any weight: the recipe's router loss switched on as loading will switch it on."""
+    if sp == 1 and cp == 1 and tp == 1:
+        return
+    family = Family.of_recipe(recipe.model)
+    _check_sequence_family(family, sp, cp)
+    _check_tensor_parallel_family(family, tp, data_parallel)
+
+
+def check_before_launch(recipe: Recipe, plan, gpu: bool) -> None:
+    """Everything that would stop this recipe under this launch (`plan`: parallel/plan.ParallelPlan), checked before
+    the process group exists and before any weight loads (one line each); and the launch-environment warnings
+    (restarts, the preemption shutdown timeout)."""
+    from disttrain.model import hub
+    from disttrain.recipe.compat import check, check_trackers, check_unproven, check_zero3_export
+    from disttrain.runtime import guards
+
+    check(recipe, plan.strategy, gpu)
+    plan.check_recipe(recipe, gpu)  # what the mesh refuses (parallel/checks.py)
+    check_unproven(recipe, plan.label)
+    check_trackers(recipe.logging.report_to)
+    hub.check_token(recipe.output.push_to_hub)  # before training, not after it
+    check_zero3_export(recipe, plan.strategy)
+    plan.check_model(recipe)  # the model's config.json against the mesh, before any weight
+    guards.warn_elastic_shared_store()  # torchrun restarts that would reconnect to dead workers
+    guards.warn_short_shutdown_timeout()  # a preemption checkpoint the launcher would cut off after 30 s
