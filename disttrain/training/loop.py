@@ -111,10 +111,10 @@ class _Window:
     HOST_FIELDS = ("padded_tokens", "data_wait_s", "peak_mem_gb")
     FIELDS = DEVICE_FIELDS + HOST_FIELDS
 
-    def __init__(self, device, meter=None, peak_flops: float | None = None, data_rank_size: int = 1,
+    def __init__(self, device, meter=None, peak_flops: float | None = None, group: int = 1,
                  share: float = 1.0):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
-        self.data_rank_size = data_rank_size  # consecutive processes that read the same rows (Ulysses: sp)
+        self.group = group  # consecutive processes that read the same rows (ParallelPlan.group)
         self.share = share  # the part of each batch this process accounts for (ParallelPlan.share)
         self.last_grad_norm = None  # the total norm of the latest optimizer step (set by the loop)
         self.reset()
@@ -155,7 +155,7 @@ class _Window:
         per_rank = accelerator.gather(local.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         # the spread compares data ranks: slices of the same sequences (Ulysses) differ by position, not data
-        by_data = {k: f[k].reshape(-1, self.data_rank_size).sum(1) for k in ("loss_sum", "targets")}
+        by_data = {k: f[k].reshape(-1, self.group).sum(1) for k in ("loss_sum", "targets")}
         rank_loss = by_data["loss_sum"] / by_data["targets"].clamp(min=1)
         mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
         elapsed = max(time.perf_counter() - self.started - self.excluded_s, 1e-9)
@@ -164,8 +164,8 @@ class _Window:
             "loss": float(mean_loss),
             "loss_rank_min": float(rank_loss.min()),
             "loss_rank_max": float(rank_loss.max()),
-            "loss_rank_min_rank": int(rank_loss.argmin()) * self.data_rank_size,  # its first process
-            "loss_rank_max_rank": int(rank_loss.argmax()) * self.data_rank_size,
+            "loss_rank_min_rank": int(rank_loss.argmin()) * self.group,  # its first process
+            "loss_rank_max_rank": int(rank_loss.argmax()) * self.group,
             "loss_rank_spread": float((rank_loss.max() - rank_loss.min()) / mean_loss.abs().clamp(min=1e-12)),
             "step_time_s": elapsed / max(self.steps, 1),
             "tokens_per_s": float(f["tokens"].sum()) / elapsed,

@@ -1,0 +1,181 @@
+"""One small object per parallel mode, each answering the same questions for its mesh: which processes read the
+same rows, what each counts of a batch, which random stream it draws, which slice of a sequence it keeps, how
+eval sets are read, what a micro-batch runs inside, what the mode refuses of a recipe and of a model, and what
+model loading needs. ParallelPlan (plan.py) holds the launch's mode and asks it; nothing else branches on the
+mesh. A new mesh is a class here (with its config file and make target) and a line in `mode_for`.
+
+    DataParallel   DDP, FSDP2, HSDP, ZeRO-1/2/3 (what they shard is the accelerate config's business, not
+                   the plan's): every process reads its own rows, whole
+    Ulysses        DeepSpeed's sequence parallelism: sp processes per sequence, each keeps 1/sp of it
+    Ring           torch's context parallelism under FSDP2: cp processes per sequence around the attention ring
+    Tensor         tensor parallelism alone or under FSDP2 (transformers' plan): tp processes per batch, each
+                   holding 1/tp of the split weights
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+from disttrain.parallel import checks
+
+
+class DataParallel:
+    group = 1  # consecutive processes that read the same rows
+    share = 1.0  # the part of each batch a process counts in token counts, losses and FLOPs
+    sequence_parts = 1  # processes each sequence is cut over
+    tensor_parallel = False
+
+    def random_stream(self, process: int) -> int:
+        """Which random stream a process draws while training (dropout, LoRA dropout, NEFTune's noise): every
+        process holds other tokens and draws its own, as one process draws independently for every position."""
+        return process
+
+    def sequence_slice(self, process: int) -> tuple[int, int] | None:
+        """(which slice, of how many) of every training sequence the loader gives the process; None: all."""
+        return None
+
+    def context_slice(self, process: int) -> tuple[int, int] | None:
+        """(which part, of how many) of every sequence the micro-batch context keeps; None: all."""
+        return None
+
+    def eval_loader(self, accelerator, loader):
+        """An eval set's loader: its rows split over the processes."""
+        return accelerator.prepare(loader)
+
+    def micro_batch_context(self, accelerator, model):
+        """What the loop enters around each micro-batch's forward and backward: nothing."""
+        return lambda batch: nullcontext()
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        """What the mode refuses of a recipe, one line each: nothing beyond the strategy's own checks."""
+
+    def check_model(self, recipe) -> None:
+        """What the mode refuses of the recipe's model (its config.json alone, before any weight): nothing."""
+
+    def load_kwargs(self) -> dict:
+        """What model loading needs of the mode: nothing (accelerate wraps or shards after loading)."""
+        return {}
+
+
+class Ulysses(DataParallel):
+    """The sp processes of a group read the same rows; the feed's collator keeps each process's 1/sp of every
+    sequence, labels shifted before the cut (data.collation.SequenceShard)."""
+
+    def __init__(self, sp: int):
+        self.sp = self.group = self.sequence_parts = sp
+
+    def sequence_slice(self, process: int) -> tuple[int, int]:
+        return process % self.sp, self.sp
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        checks.check_sequence_parallel(recipe, self.sp, 1)
+
+    def check_model(self, recipe) -> None:
+        checks.check_model_config(recipe, self.sp, 1, 1, 1)
+
+
+class Ring(DataParallel):
+    """The cp processes of a group read the same whole sequences (labels shifted over the whole sequence:
+    data.collation.ContextShard) and accelerate's context cuts them in place around every micro-batch."""
+
+    def __init__(self, cp: int):
+        self.cp = self.group = self.sequence_parts = cp
+
+    def context_slice(self, process: int) -> tuple[int, int]:
+        return process % self.cp, self.cp
+
+    def eval_loader(self, accelerator, loader):
+        """The eval forward runs outside the ring's context on whole rows, so the rows are split over every
+        process, not by data rank as accelerate's prepare splits them (the cp processes of a group then held the
+        same rows, and gather_for_metrics, which truncates the last batch as if rows were split by process,
+        counted some twice and dropped others)."""
+        from accelerate.data_loader import prepare_data_loader
+
+        return prepare_data_loader(loader, accelerator.device, num_processes=accelerator.num_processes,
+                                   process_index=accelerator.process_index, put_on_device=True)
+
+    def micro_batch_context(self, accelerator, model):
+        """accelerate's context, which cuts the batch's sequences in place (the ring attention needs the
+        backward inside it too: outside, the gradients are silently wrong)."""
+        from disttrain.data.collation import CONTEXT_BUFFERS
+
+        def context(batch: dict):
+            buffers = [batch[key] for key in CONTEXT_BUFFERS if key in batch]
+            return accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                                      no_restore_buffers=set(buffers))
+        return context
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        checks.check_sequence_parallel(recipe, 1, self.cp)
+        checks.check_ring_kernel(self.cp, gpu)
+
+    def check_model(self, recipe) -> None:
+        checks.check_model_config(recipe, 1, self.cp, 1, 1)
+
+
+class Tensor(DataParallel):
+    """All tp processes of a group see the whole batch and each holds 1/tp of every split weight, so each
+    counts 1/tp of it (summed over the group: the batch once); they run the same activations, so they draw the
+    same random stream (different dropout masks would make the adapters they hold whole drift apart, and
+    NEFTune add different noise to an all-reduced embedding). Under FSDP2 + TP (`data`: replicas x shards of
+    FSDP2 over the groups, laid out by transformers) the gradient reduction waits for the window's last
+    micro-batch."""
+
+    tensor_parallel = True
+
+    def __init__(self, tp: int, data: tuple[int, int] = (1, 1)):
+        self.tp = self.group = tp
+        self.data = data
+        self.share = 1.0 / tp
+
+    def random_stream(self, process: int) -> int:
+        return process // self.tp
+
+    def eval_loader(self, accelerator, loader):
+        """Whole on every process: the group runs the same batches together."""
+        from disttrain.runtime.backends import ReplicatedLoader
+
+        return ReplicatedLoader(loader, accelerator.device)
+
+    def micro_batch_context(self, accelerator, model):
+        """accelerate defers DDP's and its own FSDP2's reduction on accumulation, not the FSDP2 transformers
+        applied under FSDP2 + TP: deferred here."""
+        if self.data == (1, 1):
+            return super().micro_batch_context(accelerator, model)
+        return lambda batch: _reduce_on_last_micro_batch(accelerator, model, replicas=self.data[0])
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        checks.check_tensor_parallel(recipe, self.tp, self.data[0] * self.data[1])
+
+    def check_model(self, recipe) -> None:
+        checks.check_model_config(recipe, 1, 1, self.tp, self.data[0] * self.data[1])
+
+    def load_kwargs(self) -> dict:
+        """transformers splits (and under FSDP2 + TP shards) the model as it loads it (model/loading.py)."""
+        return {"tp": self.tp, "tp_data": self.data}
+
+
+@contextmanager
+def _reduce_on_last_micro_batch(accelerator, model, replicas: int):
+    """FSDP2's `no_sync` for the micro-batches before the last of a window: with replicas (HSDP) only the
+    all-reduce across them waits, the reduce-scatter inside each keeps the gradients sharded."""
+    if not accelerator.sync_gradients:
+        if replicas > 1:
+            model.set_requires_all_reduce(False)
+        else:
+            model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def mode_for(sp: int = 1, cp: int = 1, tp: int = 1, tp_data: tuple[int, int] = (1, 1)) -> DataParallel:
+    """The mode of a mesh read from the launch (mesh.read_mesh has refused the combinations it does not run)."""
+    if sp > 1:
+        return Ulysses(sp)
+    if cp > 1:
+        return Ring(cp)
+    if tp > 1:
+        return Tensor(tp, tp_data)
+    return DataParallel()
