@@ -10,6 +10,34 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
+
+class Loss(Protocol):
+    """What the loop calls on an objective's loss (SFT's TokenLoss, DPO's PreferenceLoss): each holds a
+    token-loss engine (token_loss.LossEngine: chunked, plain or TRL's fused head) rather than inheriting one."""
+
+    unit_name: str  # what the step's loss is averaged over (target tokens, pairs): the loop's normalisation
+    checked: bool  # the start-up self-check has run
+
+    def check_against_model(self, accelerator, model, batch: dict) -> None:
+        """Once, on the first micro-batch: the engine's loss equals the model's own, or one line and stop."""
+
+    def units(self, batch: dict) -> torch.Tensor:
+        """How many of unit_name the micro-batch holds."""
+
+    def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
+        """The micro-batch's summed loss / num_items_in_batch (the window's units on all ranks)."""
+
+    def window_metrics(self, accelerator) -> dict:
+        """The objective's own metrics for a log line (collective where non-empty)."""
+
+    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
+        """[dataset rows, k] sums for evaluation of eval set `split`."""
+
+    def eval_record(self, sums: dict) -> dict[str, float]:
+        """The eval metrics from each eval set's summed eval_rows."""
+
 
 class Objective(Protocol):
     def collator(self, tokenizer):

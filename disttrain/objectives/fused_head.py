@@ -6,7 +6,7 @@ runs the backbone, then projects the hidden states through lm_head in [4096 toke
 (Triton on CUDA/XPU, the same tiles in torch elsewhere), recomputes each tile in the backward, and applies
 what the family adds itself (softcapping and logit scales read through the text config, the MoE
 load-balancing loss with transformers' function). Nothing here re-implements it; this module only calls it
-the way TokenLoss calls its other engines. Why the chunked loss stays the default: docs/benchmarks.md
+the way LossEngine calls its other engines. Why the chunked loss stays the default: docs/benchmarks.md
 ("Loss engines"; memory and step time per strategy by `make bench-memory`).
 """
 

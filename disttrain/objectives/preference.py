@@ -37,7 +37,7 @@ from disttrain.recipe.schema import PreferenceSection
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX
 from disttrain.data.preference import PAIR_INDEX
 from disttrain.errors import DisttrainError
-from disttrain.objectives.token_loss import TokenLoss, chunked_loss_sum, chunked_token_losses
+from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
 
 REFERENCE_FILE = "reference_logps.safetensors"
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "logps/chosen", "logps/rejected")
@@ -78,13 +78,15 @@ def _response_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum(-1)
 
 
-class PreferenceLoss(TokenLoss):
-    """The loop's objective for training.objective: dpo (see the module docstring). `units` are pairs."""
+class PreferenceLoss:
+    """The loop's loss for training.objective: dpo (objectives/base.Loss; see the module docstring). `units` are
+    pairs. Its engine is the chunked head (LossEngine) with the pair loss as what lm_head returns in training."""
 
     unit_name = "pairs"
 
     def __init__(self, model, cfg: PreferenceSection, reference: str):
-        super().__init__(model, "chunked")
+        self.engine = LossEngine(model, "chunked", training_head=self._training_head)
+        self.head = self.engine.head
         self.cfg, self.reference = cfg, reference
         self.tables: dict[str, torch.Tensor] = {}  # precomputed: per split ("train", eval sets), [pairs, 2]
         self.split = "train"  # whose precomputed table the next micro-batches use
@@ -92,9 +94,21 @@ class PreferenceLoss(TokenLoss):
         self._last: torch.Tensor | None = None  # this micro-batch's [pairs, STATS + count], set by the forward
         self._window: torch.Tensor | None = None  # their sums since the last log line
 
+    @property
+    def checked(self) -> bool:
+        return self.engine.checked
+
+    def check_against_model(self, accelerator, model, batch: dict) -> None:
+        """The engine's token loss against the model's own, on the first sequence (chosen) of the first pair."""
+        self.engine.check_against_model(accelerator, model, batch)
+
     @staticmethod
     def _inputs(batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)}
+
+    def _chunked(self, model, batch: dict) -> torch.Tensor:
+        """[sequences, seq] per-token losses from the chunked head (no gradients outside training)."""
+        return self.engine.output(model, batch, self._inputs(batch)).logits
 
     def units(self, batch: dict) -> torch.Tensor:
         return torch.full((), batch[PAIR_INDEX].numel(), device=batch["input_ids"].device, dtype=torch.long)
@@ -153,22 +167,23 @@ class PreferenceLoss(TokenLoss):
             return logps[:n], logps[n:]
         if self.reference == "model":
             with torch.no_grad(), self._autocast():
-                logps = -self._reference_scorer._chunked(self._reference_model, batch)[:, :-1].sum(-1)
+                logps = -self._reference_scorer.output(self._reference_model, batch, self._inputs(batch)).logits[
+                    :, :-1].sum(-1)
             n = logps.shape[0] // 2
             return logps[:n], logps[n:]
         raise DisttrainError(f"preference.reference: {self.reference} is unknown")
 
-    def attach_reference(self, model, scorer: TokenLoss, autocast) -> None:
-        """preference.reference: model -- the frozen copy (prepared for the strategy), the TokenLoss that makes
+    def attach_reference(self, model, scorer: LossEngine, autocast) -> None:
+        """preference.reference: model -- the frozen copy (prepared for the strategy), the engine that makes
         its lm_head return per-token losses, and the accelerator's autocast for its forward."""
         self._reference_model, self._reference_scorer, self._autocast = model, scorer, autocast
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         self._ref = self._reference_logps(model, batch)
-        out = self._chunked_output(model, batch)
+        out = self.engine.output(model, batch, self._inputs(batch))
         stats = self._last.double().sum(0)  # stays on the device until a log line
         self._window = stats if self._window is None else self._window + stats
-        return self._with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as for SFT
+        return self.engine.with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as SFT
 
     def window_metrics(self, accelerator) -> dict:
         """Means over the pairs of all ranks since the last log line (one all-reduce)."""
@@ -309,7 +324,7 @@ def live_reference(accelerator, recipe, sharded: bool, local_device):
     spec = recipe.model.model_copy(update={"gradient_checkpointing": False})  # no backward through it
     model = load_model(spec, None, sharded=sharded, local_device=local_device)
     model.requires_grad_(False)
-    scorer = TokenLoss(model, "chunked")  # its lm_head returns per-token losses while labels are set on it
+    scorer = LossEngine(model, "chunked")  # its lm_head returns per-token losses while labels are set on it
     if accelerator.distributed_type == DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 

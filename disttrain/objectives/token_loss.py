@@ -16,7 +16,7 @@ The loss and its gradients equal transformers' own (plain) loss: tests/test_loss
 1e-5 in fp32, full and LoRA, packed and unpacked. What a family adds is applied too (FamilyTransform: logit
 scaling and softcapping, with the model's own copy neutralised while the head runs; the MoE load-balancing
 loss from the forward's router logits), tests/test_loss_families.py; and every run checks, on its first
-micro-batch, that the chunked loss equals the model's own (TokenLoss.check_against_model), else stops in
+micro-batch, that the chunked loss equals the model's own (LossEngine.check_against_model), else stops in
 one line. training.loss_impl: plain keeps transformers' path; trl runs TRL's fused LM head instead (fused_head.py),
 kept for comparison on the project's bars (docs/benchmarks.md, "Loss engines").
 """
@@ -269,14 +269,15 @@ def output_projection(model) -> torch.nn.Module:
     return head
 
 
-class TokenLoss:
-    """How the loop gets a micro-batch's loss. `chunked`: lm_head's forward returns per-token losses while
-    targets are set on it (installed before accelerator.prepare); `plain`: transformers' own loss from the
-    full logits; `trl`: TRL's fused LM head (fused_head.py)."""
+class LossEngine:
+    """How a token loss is computed, as a component the objectives hold (SFT's TokenLoss, DPO's PreferenceLoss,
+    any later one): `chunked` (lm_head's forward, while targets are set on it, returns what the objective's
+    `training_head(hidden, labels)` makes of them in training and per-token losses in evaluation; installed
+    before accelerator.prepare), `plain` (transformers' loss from the full logits) or `trl` (TRL's fused LM
+    head, fused_head.py). It applies what the model family adds (logit transforms; the MoE router loss) and runs
+    the start-up self-check against the model's own loss."""
 
-    checks_against_model = True  # the start-up self-check (check_against_model) applies to this objective
-
-    def __init__(self, model, impl: str = "chunked"):
+    def __init__(self, model, impl: str = "chunked", training_head=None):
         self.impl = impl
         self.head = None
         self.checked = impl == "plain"
@@ -289,96 +290,68 @@ class TokenLoss:
         if impl == "trl":
             fused_head.install(model)  # TRL applies the family's transforms and router loss itself
         if impl == "chunked":
-            self.head = output_projection(model)
-            self.head._disttrain_labels = None
-            self.head._disttrain_shifted = False  # True: the labels set are position t's targets already
-            self.head._disttrain_transform = self.family.transform
-            plain_forward = self.head.forward
+            self._install_chunked_head(model, training_head or self._loss_sum)
 
-            def forward(hidden):  # the instance's forward: not a parameter, so state dicts do not change
-                labels = self.head._disttrain_labels
-                if labels is None:
-                    return plain_forward(hidden)
-                if torch.is_grad_enabled():  # training: the loss sum (with its gradients)
-                    return self._training_head(hidden, labels)
-                return chunked_token_losses(hidden, self.head, labels, self.head._disttrain_shifted)  # evaluation
+    def _install_chunked_head(self, model, training_head) -> None:
+        self.head = output_projection(model)
+        self.head._disttrain_labels = None
+        self.head._disttrain_shifted = False  # True: the labels set are position t's targets already
+        self.head._disttrain_transform = self.family.transform
+        plain_forward = self.head.forward
 
-            # never compiled: regional compilation (accelerate) compiles lm_head whole, and Dynamo then
-            # recompiles it for every new sequence length (the labels' shape, the targets' count) until its
-            # recompile limit; the chunked Function gains nothing from a graph anyway
-            self.head.forward = torch.compiler.disable(forward)
+        def forward(hidden):  # the instance's forward: not a parameter, so state dicts do not change
+            labels = self.head._disttrain_labels
+            if labels is None:
+                return plain_forward(hidden)
+            if torch.is_grad_enabled():  # training: what the objective makes of the targets (with gradients)
+                return training_head(hidden, labels)
+            return chunked_token_losses(hidden, self.head, labels, self.head._disttrain_shifted)  # evaluation
 
-    unit_name = "target_tokens"  # what the loss is averaged over (the loop's normalisation)
+        # never compiled: regional compilation (accelerate) compiles lm_head whole, and Dynamo then
+        # recompiles it for every new sequence length (the labels' shape, the targets' count) until its
+        # recompile limit; the chunked Function gains nothing from a graph anyway
+        self.head.forward = torch.compiler.disable(forward)
 
-    def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What lm_head returns in training: the micro-batch's summed loss, differentiable."""
+    def _loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The default training head: the micro-batch's summed token loss, differentiable."""
         return chunked_loss_sum(hidden, self.head, labels, shifted=self.head._disttrain_shifted)
 
-    def units(self, batch: dict) -> torch.Tensor:
-        """How many items the micro-batch's loss sums over (target tokens; pairs for preference tuning)."""
-        return count_targets(batch)
-
-    def window_metrics(self, accelerator) -> dict:
-        """Objective-specific metrics for a log line (collective where non-empty; SFT has none)."""
-        return {}
-
-    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
-        """[dataset rows, k] sums for evaluation of eval set `split`: (loss sum, target tokens) per row."""
-        targets = batch[SHIFT_LABELS_KEY] if SHIFT_LABELS_KEY in batch else batch["labels"][:, 1:]
-        return _per_row_sums(self.token_losses(model, batch), targets, batch)
-
-    def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
-        mixture (a single source's set is just "eval"), from each set's summed eval_rows."""
-        loss = sum(float(s[0]) for s in sums.values()) / max(sum(float(s[1]) for s in sums.values()), 1.0)
-        record = {"eval_loss": loss}
-        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
-                       if name != "eval"})
-        return record
-
-    @staticmethod
-    def _inputs(batch: dict) -> dict:
-        dropped = (*BOOKKEEPING_KEYS, "labels", SHIFT_LABELS_KEY)  # the targets go to the head, not the model
-        return {k: v for k, v in batch.items() if k not in dropped}
-
-    def _chunked_output(self, model, batch: dict):
+    def output(self, model, batch: dict, inputs: dict):
+        """The model's forward with the batch's targets set on the chunked head: `.logits` holds what the head
+        returned (training: the objective's loss; evaluation: per-token losses)."""
         shifted = SHIFT_LABELS_KEY in batch
         self.head._disttrain_labels = batch[SHIFT_LABELS_KEY] if shifted else batch["labels"]
         self.head._disttrain_shifted = shifted
         try:
             with self.family.neutralised():  # the head applies the family's transform itself
-                return model(**self._inputs(batch), use_cache=False)  # .logits: losses, see forward above
+                return model(**inputs, use_cache=False)
         finally:
             self.head._disttrain_labels, self.head._disttrain_shifted = None, False
 
-    def _chunked(self, model, batch: dict) -> torch.Tensor:
-        return self._chunked_output(model, batch).logits
-
-    def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
-        """sum of the micro-batch's token losses / num_items_in_batch (the loop's token normalisation), plus
-        what the model adds to it (MoE: router_aux_loss_coef x its load-balancing loss, as transformers adds)."""
-        if self.impl == "plain":
-            inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
-            return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-        if self.impl == "trl":
-            return fused_head.loss(model, self._inputs(batch), batch, num_items_in_batch)
-        out = self._chunked_output(model, batch)
-        return self._with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
-
-    def _with_router_loss(self, loss: torch.Tensor, out) -> torch.Tensor:
+    def with_router_loss(self, loss: torch.Tensor, out) -> torch.Tensor:
         """loss + router_aux_loss_coef x the forward's load-balancing loss (MoE with output_router_logits), per
         micro-batch, as transformers (and TRL's DPO trainer) add it."""
         aux = getattr(out, "aux_loss", None)
         return loss + self.router_aux_coef * aux.to(loss.device) if self.router_aux_coef and aux is not None else loss
 
+    def token_loss_sum(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
+        """sum of the micro-batch's token losses / num_items_in_batch, plus what the model adds to it."""
+        if self.impl == "plain":
+            inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
+            return model(**inputs, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+        if self.impl == "trl":
+            return fused_head.loss(model, _token_inputs(batch), batch, num_items_in_batch)
+        out = self.output(model, batch, _token_inputs(batch))
+        return self.with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
+
     @torch.no_grad()
     def check_against_model(self, accelerator, model, batch: dict) -> None:
-        """Once, on the run's first micro-batch (every rank, with its own): the chunked loss of a slice of it
+        """Once, on the run's first micro-batch (every rank, with its own): the engine's loss of a slice of it
         must equal the model's own loss on it -- transformers' forward with labels, which applies whatever the
         family does (logit transforms, added losses) -- else stop with one line, so that a family nobody has
         tried cannot train on a wrong loss. In eval mode (no dropout), on at most SELF_CHECK_TOKENS tokens of
         one sequence (the model's full logits for them only)."""
-        if self.checked or not self.checks_against_model:
+        if self.checked:
             return
         self.checked = True
         part = _one_sequence(batch, SELF_CHECK_TOKENS)
@@ -387,7 +360,7 @@ class TokenLoss:
         try:
             with torch.compiler.set_stance("force_eager"):  # compiled regions (training.compile) must not
                 targets = count_targets(part)                # compile again for this one-off slice
-                ours = self._mean_loss(model, part, targets)
+                ours = self.mean_loss(model, part, targets)
                 inputs = {k: v for k, v in part.items() if k not in BOOKKEEPING_KEYS}
                 theirs = model(**inputs, use_cache=False).loss.float()
         finally:
@@ -407,20 +380,22 @@ class TokenLoss:
                 f"or adds a loss that the {self.impl} path does not apply; set training.loss_impl=plain "
                 "(transformers' loss from full logits)")
 
-    def _mean_loss(self, model, part: dict, targets: torch.Tensor) -> torch.Tensor:
+    def mean_loss(self, model, part: dict, targets: torch.Tensor) -> torch.Tensor:
         """This engine's loss of a micro-batch, averaged over its target tokens, with what the model adds."""
         if self.impl == "trl":
-            return fused_head.loss(model, self._inputs(part), part).float()
-        out = self._chunked_output(model, part)
-        return self._with_router_loss(out.logits.sum() / targets.clamp(min=1), out)
+            return fused_head.loss(model, _token_inputs(part), part).float()
+        out = self.output(model, part, _token_inputs(part))
+        return self.with_router_loss(out.logits.sum() / targets.clamp(min=1), out)
 
     @torch.no_grad()
-    def token_losses(self, model, batch: dict) -> torch.Tensor:
+    def token_losses(self, model, batch: dict, inputs: dict | None = None) -> torch.Tensor:
         """[batch, seq - 1] fp32 per-token losses (0 where there is no target), for evaluation; [batch, seq]
-        when the batch carries `shift_labels` (one per position)."""
+        when the batch carries `shift_labels` (one per position). `inputs`: what the model is given (default:
+        the batch without its targets and bookkeeping)."""
         shifted = SHIFT_LABELS_KEY in batch
+        inputs = _token_inputs(batch) if inputs is None else inputs
         if self.impl == "plain":
-            logits = model(**self._inputs(batch), use_cache=False).logits.float()
+            logits = model(**inputs, use_cache=False).logits.float()
             if not shifted:
                 logits, targets = logits[:, :-1], batch["labels"][:, 1:]
             else:
@@ -428,9 +403,65 @@ class TokenLoss:
             return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
                                                      reduction="none")
         if self.impl == "trl":
-            return fused_head.token_losses(model, self._inputs(batch), batch)
-        per_token = self._chunked(model, batch)
+            return fused_head.token_losses(model, inputs, batch)
+        per_token = self.output(model, batch, inputs).logits
         return per_token if shifted else per_token[:, :-1]
+
+
+def _token_inputs(batch: dict) -> dict:
+    dropped = (*BOOKKEEPING_KEYS, "labels", SHIFT_LABELS_KEY)  # the targets go to the head, not the model
+    return {k: v for k, v in batch.items() if k not in dropped}
+
+
+class TokenLoss:
+    """Supervised fine-tuning's loss, as the loop calls it (objectives/base.Loss): the token-normalised
+    cross-entropy of the targets, computed by its engine (LossEngine: chunked by default)."""
+
+    unit_name = "target_tokens"  # what the loss is averaged over (the loop's normalisation)
+
+    def __init__(self, model, impl: str = "chunked"):
+        self.engine = LossEngine(model, impl)
+
+    @property
+    def checked(self) -> bool:
+        return self.engine.checked
+
+    @property
+    def router_aux_coef(self) -> float:
+        return self.engine.router_aux_coef
+
+    def check_against_model(self, accelerator, model, batch: dict) -> None:
+        self.engine.check_against_model(accelerator, model, batch)
+
+    def units(self, batch: dict) -> torch.Tensor:
+        """How many items the micro-batch's loss sums over (target tokens)."""
+        return count_targets(batch)
+
+    def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
+        """sum of the micro-batch's token losses / num_items_in_batch (the loop's token normalisation), plus
+        what the model adds to it (MoE: router_aux_loss_coef x its load-balancing loss, as transformers adds)."""
+        return self.engine.token_loss_sum(model, batch, num_items_in_batch)
+
+    def window_metrics(self, accelerator) -> dict:
+        """Objective-specific metrics for a log line (collective where non-empty; SFT has none)."""
+        return {}
+
+    def token_losses(self, model, batch: dict) -> torch.Tensor:
+        return self.engine.token_losses(model, batch)
+
+    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
+        """[dataset rows, k] sums for evaluation of eval set `split`: (loss sum, target tokens) per row."""
+        targets = batch[SHIFT_LABELS_KEY] if SHIFT_LABELS_KEY in batch else batch["labels"][:, 1:]
+        return _per_row_sums(self.token_losses(model, batch), targets, batch)
+
+    def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """`eval_loss` (token-weighted over every eval set) and `eval_loss/<source>` for each source's set of a
+        mixture (a single source's set is just "eval"), from each set's summed eval_rows."""
+        loss = sum(float(s[0]) for s in sums.values()) / max(sum(float(s[1]) for s in sums.values()), 1.0)
+        record = {"eval_loss": loss}
+        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
+                       if name != "eval"})
+        return record
 
 
 SELF_CHECK_TOKENS = 256  # tokens of the self-check's slice: full logits of these only

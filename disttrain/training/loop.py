@@ -20,7 +20,7 @@ import torch
 
 from disttrain.runtime import guards
 from disttrain.data import LENGTHS_KEY
-from disttrain.objectives.token_loss import TokenLoss
+from disttrain.objectives.base import Loss
 from disttrain.training.hooks import Hook, StepEnd
 
 
@@ -48,7 +48,7 @@ def request_stop(*_signal_args) -> None:
     _stop_requested = True
 
 
-def _window_denominator(window: list[dict], accelerator, objective: TokenLoss,
+def _window_denominator(window: list[dict], accelerator, objective: Loss,
                         flags: tuple[bool, ...]) -> tuple[torch.Tensor, "_FlagsOnHost"]:
     """All-reduce of (target tokens -- or pairs -- in this window, then this rank's flags): one small collective
     per step. A flag is set for all ranks when any rank sets it (SIGTERM reached one rank, one rank's clock says a
@@ -218,7 +218,7 @@ class Run:
 
     accelerator: Any
     trainable: Trainable
-    loss: TokenLoss
+    loss: Loss
     steps: StepSource
     recipe: Any
     plan: Any = None  # parallel/plan.ParallelPlan; None: one process, nothing cut

@@ -31,10 +31,10 @@ if FAULT == "diverge" and RANK == 1:
 
     torch.optim.AdamW.step = step_then_nudge
 elif FAULT == "self_check":
-    from disttrain.objectives.token_loss import TokenLoss
+    from disttrain.objectives.token_loss import LossEngine
 
-    mean_loss = TokenLoss._mean_loss
-    TokenLoss._mean_loss = lambda self, *a, **k: mean_loss(self, *a, **k) + 1.0
+    mean_loss = LossEngine.mean_loss
+    LossEngine.mean_loss = lambda self, *a, **k: mean_loss(self, *a, **k) + 1.0
 elif FAULT == "seed_per_rank":
     import accelerate.utils
 
