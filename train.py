@@ -107,9 +107,7 @@ def main(argv=None):
     state = loop.TrainState()
     if resume_from is not None:
         guards.at("loading the checkpoint")
-        checkpoint.load_state(accelerator, resume_from)
-        state.load_state_dict(saved_state)
-        feed.restore(lambda: checkpoint.load_rank_state(resume_from, accelerator.process_index))
+        checkpoint.restore(accelerator, resume_from, saved_state, state, feed)
         accelerator.print(f"resumed from {resume_from} at step {state.step}/{feed.total_steps}")
         if handover.already_complete(accelerator, recipe, state, feed.total_steps):
             accelerator.end_training()

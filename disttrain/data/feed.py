@@ -97,8 +97,8 @@ class MapFeed(_Feed):
         assert len(self.loader) // cfg.grad_accum == self.per_epoch, "steps_per_epoch disagrees with accelerate"
         return model, optimizer, scheduler
 
-    def restore(self, read_rank_state: Callable[[], dict]) -> None:
-        """Nothing to read: the loop skips the consumed micro-batches of the epoch's permutation."""
+    def restore(self, rank_state: dict) -> None:
+        """Nothing is saved (rank_state is None): the step says where the epoch's permutation stood."""
 
 
 class StreamFeed(_Feed):
@@ -122,9 +122,9 @@ class StreamFeed(_Feed):
     def rank_state(self) -> Callable[[], dict]:
         return self.loader.state_dict
 
-    def restore(self, read_rank_state: Callable[[], dict]) -> None:
+    def restore(self, rank_state: dict) -> None:
         """Continue where this rank's stream stopped, without replaying it."""
-        self.loader.load_state_dict(read_rank_state())
+        self.loader.load_state_dict(rank_state)
 
 
 def feed_for(recipe, train_set, tokenizer, plan, accelerator) -> MapFeed | StreamFeed:

@@ -96,7 +96,14 @@ def load_rank_state(checkpoint: Path, rank: int) -> dict:
     return json.loads(path.read_text())
 
 
-load_state = accelerator_state.load_state  # what train.py resumes with: accelerate's, or DCP under TP
+def restore(accelerator, checkpoint: Path, saved_state: dict, train_state, feed) -> None:
+    """Resume in one call, what `save` wrote: weights, optimizer, schedule and RNG (accelerate's state, or DCP
+    under TP), the train state (`saved_state`, read and matched by resume_point), and the feed's own position
+    where it keeps one (a stream's, per rank; a map-style feed's follows from the step)."""
+    accelerator_state.load_state(accelerator, checkpoint)
+    train_state.load_state_dict(saved_state)
+    if feed.rank_state is not None:
+        feed.restore(load_rank_state(checkpoint, accelerator.process_index))
 
 
 def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int,
