@@ -210,6 +210,10 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
         assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
     if "scoring" in keys:
         assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
+    if "time_checkpoints" in keys:  # the clock is due at every step: every rank saved every step, completely
+        saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+        assert saved == [f"step-{s:08d}" for s in range(1, STEPS + 1)], saved
+        assert all((out / "checkpoints" / name / "manifest.json").is_file() for name in saved)
     if config == "single_gpu":  # the reference itself: its features ran (above); nothing to compare it with
         return
     assert set(ours) == set(single)

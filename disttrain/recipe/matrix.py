@@ -128,6 +128,9 @@ FEATURES = (
     Feature("eval_sets", "eval sets (eval_path, eval_every)", ("training.eval_every=2",)),
     Feature("adamw_8bit", "8-bit AdamW (bitsandbytes)", ("training.optimizer=adamw_8bit",)),
     Feature("offload_activations", "offload_activations", ("training.offload_activations=true",)),
+    # a save at every step: the clock's flag agreed in the step's all-reduce under every mesh
+    Feature("time_checkpoints", "checkpoints by time (output.checkpoint_minutes)",
+            ("output.checkpoint_minutes=0.000001", "output.keep_last=8")),
 )
 FEATURE = {f.key: f for f in FEATURES}
 
@@ -303,6 +306,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(TENSOR, lambda c: Refused("training.optimizer=adamw_8bit (on tensor-parallel DTensors", on_gpu=True)),
     },
     "offload_activations": _each(CONFIGS, lambda c: _run("full")),
+    "time_checkpoints": _each(CONFIGS, lambda c: _run("full", "a checkpoint at every step, each complete")),
 }
 
 
