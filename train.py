@@ -47,10 +47,10 @@ def main(argv=None):
     from disttrain.metrics.trackers import start_trackers
     from disttrain.model import loading
     from disttrain.objectives import objective_for
-    from disttrain.report import run_files
-    from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
     from disttrain.parallel import checks
     from disttrain.parallel.plan import ParallelPlan
+    from disttrain.report import run_files
+    from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
     from disttrain.training import checkpoint, handover, hooks, loop, optim
     from disttrain.training.samples import build_sampler
 
