@@ -74,8 +74,11 @@ def main(argv=None):
                                                         accelerator.main_process_first)
     run_files.report_data(accelerator, reports, recipe.output.dir)
 
-    # 4. How long: the feed counts optimizer steps from its rows, the batch and the data ranks.
+    # 4. How long: the feed counts optimizer steps from its rows, the batch and the data ranks; the objective's
+    #    step source makes each step's batches from them (the feed's own, or online RL's rollouts).
     feed = feed_for(recipe, train_set, tokenizer, plan, accelerator)
+    objective = objective_for(recipe)
+    steps = objective.steps(feed)
 
     # 5. Model, objective (collator + loss), optimizer, schedule, loaders -> prepared for the strategy.
     guards.at("loading the model")
@@ -83,10 +86,9 @@ def main(argv=None):
                                local_device=accelerator.local_process_index if has_gpu() else None,
                                bf16=cfg.mixed_precision == "bf16", **plan.load_kwargs())
     gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
-    objective = objective_for(recipe)
     loss = objective.loss(model)
     optimizer = optim.build_optimizer(model, cfg)
-    scheduler = optim.build_scheduler(optimizer, cfg, feed.total_steps)
+    scheduler = optim.build_scheduler(optimizer, cfg, steps.total_steps)
     collator = objective.collator(tokenizer)
     eval_loaders = {name: data.make_loader(rows, cfg.micro_batch_size, collator, False, False)
                     for name, rows in eval_sets.items()}
@@ -97,7 +99,7 @@ def main(argv=None):
     eval_loaders = {name: plan.eval_loader(accelerator, loader) for name, loader in eval_loaders.items()}
     loading.add_embedding_noise(model, cfg.neftune_alpha, accelerator, plan.sequence_parts)  # NEFTune
     set_seed(cfg.seed + plan.random_stream(accelerator))  # dropout differs per data rank (a TP group: the same)
-    run_files.describe_run(accelerator, recipe, model, plan, feed.per_epoch, feed.total_steps)
+    run_files.describe_run(accelerator, recipe, model, plan, steps.per_epoch, steps.total_steps)
     throughput = meter_for(accelerator, recipe, model)  # FLOPs per token and the device's peak: MFU
 
     # 6. What the objective needs before any update (DPO: its reference).
@@ -107,9 +109,9 @@ def main(argv=None):
     state = loop.TrainState()
     if resume_from is not None:
         guards.at("loading the checkpoint")
-        checkpoint.restore(accelerator, resume_from, saved_state, state, feed)
-        accelerator.print(f"resumed from {resume_from} at step {state.step}/{feed.total_steps}")
-        if handover.already_complete(accelerator, recipe, state, feed.total_steps):
+        checkpoint.restore(accelerator, resume_from, saved_state, state, steps)
+        accelerator.print(f"resumed from {resume_from} at step {state.step}/{steps.total_steps}")
+        if handover.already_complete(accelerator, recipe, state, steps.total_steps):
             accelerator.end_training()
             return state
 
@@ -117,17 +119,17 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, loop.request_stop)
     start_trackers(accelerator, recipe)
     startup.resume_collector()
-    log = MetricsLogger(accelerator, recipe.output.dir, feed.total_steps, initial_step=state.step)
-    checkpointer = checkpoint.Checkpointer.for_output(accelerator, recipe.output, shape, feed.rank_state,
+    log = MetricsLogger(accelerator, recipe.output.dir, steps.total_steps, initial_step=state.step)
+    checkpointer = checkpoint.Checkpointer.for_output(accelerator, recipe.output, shape, steps.rank_state,
                                                       checkpoint.expected_bytes(model))
     sampler = build_sampler(accelerator, model, tokenizer, recipe, eval_sets, train_set, log.log)
-    run = loop.Run(accelerator, loop.Trainable(model, optimizer, scheduler), loss, objective.steps(feed), recipe,
-                   plan, checkpointer, throughput)
+    run = loop.Run(accelerator, loop.Trainable(model, optimizer, scheduler), loss, steps, recipe, plan, checkpointer,
+                   throughput)
     state = loop.train(run, state, hooks.for_run(run, hooks.Periodic(log.advance, eval_loaders, sampler, scorer)),
                        log.log)
     log.close()
-    if state.step < feed.total_steps:
-        accelerator.print(f"stopped at step {state.step}/{feed.total_steps}; checkpoint {checkpointer.last_saved}. "
+    if state.step < steps.total_steps:
+        accelerator.print(f"stopped at step {state.step}/{steps.total_steps}; checkpoint {checkpointer.last_saved}. "
                           "Run the same command again to resume.")
         accelerator.end_training()
         return state

@@ -287,3 +287,23 @@ def test_a_plan_that_fits_only_tightly_is_not_recommended_over_one_with_room(cap
     rows = {r["strategy"]: r for r in result["rows"]}
     assert rows["ddp"]["fits"] and rows["ddp"]["tight"] and not rows["fsdp"]["tight"]
     assert result["recommended"] == "fsdp"
+
+
+def test_online_rl_plans_its_sequences_and_rollouts_and_times_decoding_only_at_a_given_rate(capsys):
+    """A GRPO recipe: a micro-batch is micro_batch_size x num_generations sequences of prompt + completion; the
+    rollouts' forward passes (sampling, the reference with beta > 0; the old policy with num_iterations > 1) are
+    counted once per num_iterations steps; decoding is timed only at the rate given."""
+    from disttrain.metrics.flops import forward_flops_per_token
+    from disttrain.tools.cost import rollout_flops_per_token, workload_from_recipe
+
+    w, title = workload_from_recipe(str(REPO / "recipes/qwen2.5-7b/grpo_lora.yaml"))  # beta 0.04, 1 iteration
+    assert (w.seq_len, w.micro_batch) == (512 + 768, 1 * 8) and w.reference == "adapters" and "GRPO" in title
+    assert w.rollout_forwards == 2.0  # sampling + the adapters-off reference
+    assert rollout_flops_per_token(w) == pytest.approx(2 * forward_flops_per_token(w.shape, w.seq_len))
+    runs = {}
+    for extra in ([], ["--decode-tokens-per-s", "500"]):
+        main(["--recipe", str(REPO / "recipes/qwen2.5-7b/grpo_lora.yaml"), "--tokens", "1e8", "--gpus", "8",
+              "--json", *extra])
+        runs[bool(extra)] = {r["strategy"]: r["hours"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    generated = 1e8 * 768 / (512 + 768)
+    assert runs[True]["ddp"] - runs[False]["ddp"] == pytest.approx(generated / (8 * 500) / 3600)

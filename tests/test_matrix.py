@@ -144,24 +144,33 @@ ROWS_PER_STEP = 4
 STEPS = 4
 
 
+def variant(kind: str, config: str) -> tuple[str, ...]:
+    """What a kind's run under this config adds to its features (the reference runs the same): the preference
+    loss in turn, the online-RL variant in turn."""
+    if kind == "preference":
+        loss = matrix.PREFERENCE_LOSS[config]
+        return ("lora.r=8", "lora.dropout=0", f"preference.loss={loss}",
+                *(("preference.reference=none",) if loss in ("simpo", "orpo") else ()))
+    return matrix.RL_VARIANT[config] if kind == "rl" else ()
+
+
 def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,
-               preference_loss: str | None) -> Path:
-    """The tiny recipe with these features on, 4 rows per optimizer step over `data_ranks` (1: the reference)."""
+               extra: tuple[str, ...]) -> Path:
+    """The tiny recipe with these features on, 4 rows per optimizer step over `data_ranks` (1: the reference); `extra`:
+    the kind's variant. Online RL's micro-batches hold one prompt everywhere (bnpo normalises per micro-batch)."""
     micro, accum = {1: (2, 2), 2: (1, 2), 4: (1, 1)}[data_ranks]
+    if kind == "rl":
+        micro, accum = 1, 4 // data_ranks
     tree = base_recipe(model_dir, folder / name,
                        training={"max_steps": STEPS, "micro_batch_size": micro, "grad_accum": accum, "lr": 2e-3,
                                  "lr_scheduler": "cosine", "warmup_steps": 1, "max_grad_norm": 1.0},
                        data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
                        distributed={"check_replicas_every": 1})
     base = write_recipe(folder / f"{name}.base.yaml", tree)
-    overrides = [o for f in features for o in f.overrides]
-    if kind == "preference":
-        overrides += ["lora.r=8", "lora.dropout=0", f"preference.loss={preference_loss}"]
-        if preference_loss in ("simpo", "orpo"):
-            overrides.append("preference.reference=none")
+    overrides = [o for f in features for o in f.overrides] + list(extra)
     recipe = load_recipe(base, overrides)
     recipe_dict = recipe_to_dict(recipe)
-    recipe_dict["training"]["max_steps"] = STEPS
+    recipe_dict["training"]["max_steps"] = STEPS // recipe.rl.num_iterations  # RL: batches of prompts
     return write_recipe(folder / f"{name}.yaml", recipe_dict)
 
 
@@ -172,14 +181,14 @@ def run_features(kind: str, config: str):
 RUNS = [(config, kind) for kind in matrix.RUN_KINDS for config in matrix.CONFIGS if run_features(kind, config)]
 
 
-def feature_run(runs, model_dir: Path, kind: str, config: str, features, loss: str | None) -> tuple[Path, str]:
-    """The launch of `config` with `features` (one process for "single_gpu"; `loss`: the preference loss), made
+def feature_run(runs, model_dir: Path, kind: str, config: str, features, extra: tuple[str, ...]) -> tuple[Path, str]:
+    """The launch of `config` with `features` (one process for "single_gpu"; `extra`: the kind's variant), made
     once per session."""
     column = COLUMN[config]
-    key = f"matrix-{kind}-{config}-{'-'.join(f.key for f in features)}-{loss}"
+    key = f"matrix-{kind}-{config}-{'-'.join(f.key for f in features)}-{'-'.join(extra)}"
 
     def make(folder: Path):
-        recipe = run_recipe(folder, model_dir, kind, features, column.data_ranks, "run", loss)
+        recipe = run_recipe(folder, model_dir, kind, features, column.data_ranks, "run", extra)
         env = {**cpu_ring_env(), "OMP_NUM_THREADS": "1"} if column.cp > 1 else None
         proc = launch(config, recipe, nproc=column.processes, env=env)
         assert_ok(proc)
@@ -187,7 +196,8 @@ def feature_run(runs, model_dir: Path, kind: str, config: str, features, loss: s
     return runs.get(key, make)
 
 
-COMPARED = ("loss", "eval_loss")
+COMPARED = ("loss", "eval_loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
+            "clip_ratio/region_mean")
 COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/")
 
 
@@ -200,14 +210,16 @@ def compared(out: Path) -> dict[tuple[int, str], float]:
 @pytest.mark.parametrize("config, kind", RUNS, ids=[f"{c}-{k}" for c, k in RUNS])
 def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir):
     features = run_features(kind, config)
-    loss = matrix.PREFERENCE_LOSS[config] if kind == "preference" else None
-    out, stdout = feature_run(runs, tiny_model_dir, kind, config, features, loss)
-    ref, ref_stdout = feature_run(runs, tiny_model_dir, kind, "single_gpu", features, loss)
+    extra = variant(kind, config)
+    out, stdout = feature_run(runs, tiny_model_dir, kind, config, features, extra)
+    ref, ref_stdout = feature_run(runs, tiny_model_dir, kind, "single_gpu", features, extra)
     keys = {f.key for f in features}
     ours, single = compared(out), compared(ref)
     assert sorted(s for s, k in ours if k == "loss") == list(range(1, STEPS + 1))
     if "eval_sets" in keys:
         assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
+    if "grpo" in keys:  # rolled out, scored by both functions, trained on
+        assert {s for s, k in ours if k == "reward"} and any(k == "rewards/answer_words/mean" for _, k in ours)
     if "scoring" in keys:
         assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
     if "time_checkpoints" in keys:  # the clock is due at every step: every rank saved every step, completely
@@ -217,7 +229,7 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
     if config == "single_gpu":  # the reference itself: its features ran (above); nothing to compare it with
         return
     assert set(ours) == set(single)
-    lora = kind == "preference" or any("lora.r=8" in f.overrides for f in features)  # the adapter is exported
+    lora = any("lora.r=8" in f.overrides for f in features) or "lora.r=8" in extra  # the adapter is exported
     if kind == "noise":  # other random draws than one process's: the statistics, not the values
         for key, value in single.items():
             assert abs(ours[key] - value) <= matrix.NOISE_TOLERANCE * abs(value), (key, ours[key], value)

@@ -37,6 +37,13 @@ SHIPPED = {
     "qwen2.5-7b/long_sft_32k.yaml": "zero3_ulysses",
     "llama-3.1-8b/long_sft_64k.yaml": "fsdp_cp",
     "qwen2.5-32b/full_sft_hsdp.yaml": "hsdp",
+    # online RL: rollouts under DDP (full; LoRA with the adapters-off reference), FSDP2 (the 2-node full recipe),
+    # ZeRO-3 (the MoE with LoRA); the tiny one on its own model
+    "tiny/grpo.yaml": "fsdp",
+    "qwen3-1.7b/grpo_gsm8k.yaml": "ddp",
+    "qwen2.5-7b/grpo_lora.yaml": "ddp",
+    "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",
+    "qwen3-30b-a3b/grpo_lora.yaml": "zero3",
 }
 MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mixtral-8x7b/"))]
 

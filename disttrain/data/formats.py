@@ -9,6 +9,9 @@
                responses are scored); when chosen and rejected are whole conversations (they open with the
                user's turn), the prompt is what they share and a "prompt" field is ignored (Anthropic HH,
                UltraFeedback layouts)
+    prompt     {"prompt", "tools"?, any other columns}: a string (used as it is, or as the user's turn with the
+               source's chat_prompt) or chat messages ending with the user's turn (chat template applied with the
+               generation prompt): online RL (docs/rl.md); the other columns go to the reward functions
 
 Field names are the defaults; a source's `columns` maps them to its dataset's own. A source's
 `system_prompt` is added to conversations that have no system message. Errors are raised as DataError
@@ -181,9 +184,35 @@ def _preference(record, source) -> PreferencePair:
     return PreferencePair(_with_system(prompt, source.system_prompt), chosen, rejected, tools)
 
 
-_READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text, "preference": _preference}
+@dataclass
+class Prompt:
+    """One prompt for online RL: plain text (used as it is) or a conversation ending with the user's turn."""
+
+    text: str | None = None
+    conversation: Conversation | None = None
 
 
-def to_example(record: Mapping, source: SourceSection) -> Conversation | str | PreferencePair:
-    """The record as a conversation (alpaca, chat, sharegpt), a document (text) or a preference pair."""
+def _prompt(record, source) -> Prompt:
+    key = column(source, "prompt")
+    value = _field(record, source, "prompt")
+    if isinstance(value, str):
+        if not value:
+            raise DataError(f"{key!r} is empty")
+        if not source.chat_prompt:
+            return Prompt(text=value)
+        value = [{"role": "user", "content": value}]
+    messages = _valid_messages(value, key, "a string or a non-empty list of messages", where=f"{key!r}: ")
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{key!r} must end with the user's turn (its last message is {messages[-1]['role']!r}): the "
+                        "policy writes the next assistant turn")
+    tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
+    return Prompt(conversation=Conversation(_with_system(messages, source.system_prompt), tools))
+
+
+_READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text, "preference": _preference,
+            "prompt": _prompt}
+
+
+def to_example(record: Mapping, source: SourceSection) -> Conversation | str | PreferencePair | Prompt:
+    """The record as a conversation (alpaca, chat, sharegpt), a document (text), a preference pair or a prompt."""
     return _READERS[source.format](record, source)

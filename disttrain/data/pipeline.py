@@ -15,6 +15,7 @@ from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import DocumentChunker, pack_rows
 from disttrain.data.preference import PAIR_INDEX, render_pair, tokenize_pairs
+from disttrain.data.prompts import PROMPT_INDEX, prompt_text, tokenize_prompts
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
 from disttrain.errors import DataError
@@ -56,14 +57,19 @@ def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> 
 def tokenize_batch(records: list, tokenizer, section: DataSection, source: SourceSection, where=None) -> dict:
     """Records -> columns input_ids, labels (IGNORE_INDEX on non-targets), n_targets, n_tokens, truncated.
     Each conversation is rendered once; all texts of the batch go through one fast-tokenizer call.
-    Preference records give data.preference.PAIR_COLUMNS instead.
+    Preference records give data.preference.PAIR_COLUMNS instead, prompts data.prompts.PROMPT_COLUMNS.
     `where(i)` names record i in an error (file:line or record index)."""
     rendered = []
+    name = where or (lambda i: f"record {i}")
     for i, record in enumerate(records):
         try:
-            rendered.append(render_record(record, tokenizer, source))
+            rendered.append(to_example(record, source) if source.format == "prompt" else
+                            render_record(record, tokenizer, source))
         except DataError as exc:
-            raise DataError(f"{where(i) if where else f'record {i}'}: {exc}") from None
+            raise DataError(f"{name(i)}: {exc}") from None
+    if source.format == "prompt":
+        return tokenize_prompts(rendered, records, tokenizer, section.max_seq_len,
+                                source.columns.get("prompt", "prompt"), name)
     if source.format == "preference":
         return tokenize_pairs(rendered, tokenizer, section.max_seq_len)
     examples = [_example_fields(ids, labels, section) for ids, labels in tokenize_rendered(rendered, tokenizer)]
@@ -74,6 +80,8 @@ def render_record(record, tokenizer, source: SourceSection):
     """One record as the template renders it, with what is learned (a preference pair: both sides); raises
     DataError for what the format or the chat template cannot take."""
     example = to_example(record, source)
+    if source.format == "prompt":
+        return prompt_text(example, tokenizer)
     return render_pair(example, tokenizer) if source.format == "preference" else render(example, tokenizer)
 
 
@@ -167,8 +175,9 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
         report.tokens = len(rows) * section.max_seq_len
         report.target_tokens = column_sum(rows, "n_targets")
         rows = rows.remove_columns("n_targets")
-    elif parts[0].source.format == "preference":  # the pair's row, to look up precomputed reference log-probs
-        rows = rows.map(lambda _, indices: {PAIR_INDEX: indices}, with_indices=True, batched=True,
+    elif parts[0].source.format in ("preference", "prompt"):  # the row's number: a pair's precomputed reference
+        index = PAIR_INDEX if parts[0].source.format == "preference" else PROMPT_INDEX  # log-probs, a prompt's seed
+        rows = rows.map(lambda _, indices: {index: indices}, with_indices=True, batched=True,
                         batch_size=MAP_BATCH, desc=f"indexing {name}")
     elif section.packing:
         if section.shuffle:

@@ -101,7 +101,8 @@ def load_split(path: str, split: str, source: SourceSection):
             raise DataError(f"{path}: the file holds no records")
         return dataset
     try:
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, source.subset, split=split)
     except Exception as exc:  # hub unreachable, unknown name, bad split: say which and why
-        raise DataError(f"data source {path!r} (split {split!r}): could not load from the hub or cache: "
+        subset = f", subset {source.subset!r}" if source.subset else ""
+        raise DataError(f"data source {path!r} (split {split!r}{subset}): could not load from the hub or cache: "
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None

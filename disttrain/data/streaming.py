@@ -40,7 +40,7 @@ def _open(source: SourceSection):
         return datasets.load_dataset(builder_of(source.path), data_files={"train": files}, split="train",
                                      streaming=True)
     try:
-        return datasets.load_dataset(source.path, split=source.split, streaming=True)
+        return datasets.load_dataset(source.path, source.subset, split=source.split, streaming=True)
     except Exception as exc:
         raise DataError(f"data source {source.path!r} (split {source.split!r}): could not open it as a stream: "
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None

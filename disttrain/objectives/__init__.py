@@ -9,6 +9,10 @@ preparation before the first update, behind one interface (base.py):
                      loss, the start-up self-check; TokenLoss, SFT's loss over it
     fused_head.py    training.loss_impl: trl -- TRL's fused LM head as the engine instead (for comparison)
     preference.py    the pair losses, their chunked gradient, the reference (precomputed / live / adapters off)
+    grpo.py          online RL: the objective, its step source (Rollouts: sample, score, train) and loss
+    rollout.py       completions sampled from the current policy (seeded per prompt), laid out as training rows
+    rewards.py       reward functions (module:function, as TRL calls them), their checks, the advantages
+    policy_loss.py   the GRPO-family losses on per-token log-probs (grpo, dr_grpo, dapo, bnpo, cispo; GSPO)
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 def objective_for(recipe):
     """The recipe's training.objective as an Objective (base.py)."""
     from disttrain.objectives.dpo import DPO
+    from disttrain.objectives.grpo import GRPO
     from disttrain.objectives.sft import SFT
 
-    return {"sft": SFT, "dpo": DPO}[recipe.training.objective](recipe)
+    return {"sft": SFT, "dpo": DPO, "grpo": GRPO}[recipe.training.objective](recipe)

@@ -44,6 +44,7 @@ class LogitTransform:
 
     scale: float = 1.0
     softcap: float | None = None
+    temperature: float = 1.0  # online RL: log-probs at the sampling temperature, the model's logits / T (as TRL)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The transformed logits (in place)."""
@@ -51,17 +52,20 @@ class LogitTransform:
             logits.mul_(self.scale)
         if self.softcap:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
         return logits
 
     def derivative(self, transformed: torch.Tensor) -> torch.Tensor | float:
         """d transformed / d raw logits, from the transformed logits."""
         if not self.softcap:
-            return self.scale
-        return (1.0 - (transformed / self.softcap) ** 2) * self.scale
+            return self.scale / self.temperature
+        capped = transformed * self.temperature
+        return (1.0 - (capped / self.softcap) ** 2) * self.scale / self.temperature
 
     @property
     def identity(self) -> bool:
-        return self.scale == 1.0 and not self.softcap
+        return self.scale == 1.0 and not self.softcap and self.temperature == 1.0
 
 
 # Where families' forwards read their logit transform, how it scales the logits, and its neutral value:
@@ -213,17 +217,21 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                     row_weights: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
+                     row_weights: torch.Tensor | None = None, shifted: bool = False,
+                     position_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over target tokens of the cross-entropy of predicting labels[:, t + 1] at position t (labels[:, t]
     when `shifted`), from the final hidden states, without full-vocabulary logits (0-dim, fp32,
     differentiable). `row_weights`: each row's tokens weighted by its value (a sequence-level objective's
-    gradient, see preference.py)."""
+    gradient, see preference.py); `position_weights`: [batch, seq] a weight per predicting position, as
+    chunked_token_losses lays its losses out (a token-level objective's gradient, see grpo.py)."""
     targets = _targets(labels, shifted)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     compute_dtype = _compute_dtype(hidden, head)
     token_weights = None
     if row_weights is not None:
         token_weights = row_weights.float().repeat_interleave(labels.shape[1]).index_select(0, positions)
+    if position_weights is not None:
+        token_weights = position_weights.float().reshape(-1).index_select(0, positions)
     with torch.autocast(hidden.device.type, enabled=False):  # the Function picks its matmul dtype itself
         return _ChunkedCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions),
                                              _whole(head.weight), _whole(head.bias),
@@ -239,9 +247,10 @@ def _transform_of(head) -> LogitTransform | None:
 
 @torch.no_grad()
 def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                         shifted: bool = False) -> torch.Tensor:
+                         shifted: bool = False, entropies: torch.Tensor | None = None) -> torch.Tensor:
     """[batch, seq] fp32 losses of predicting labels[:, t + 1] at position t (labels[:, t] when `shifted`; 0
-    where there is no target), for evaluation: chunk by chunk, no gradients."""
+    where there is no target), for evaluation: chunk by chunk, no gradients. `entropies` ([batch, seq] fp32):
+    filled with the predicted distribution's entropy at the same positions."""
     targets = _targets(labels, shifted)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
@@ -250,9 +259,13 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
     step, dtype, transform = _chunk_tokens(head.weight.shape[0]), _compute_dtype(hidden, head), _transform_of(head)
     weight, bias = _whole(head.weight), _whole(head.bias)
     for start in range(0, hidden.shape[0], step):
+        at = positions[start:start + step]
         logits = _logits(hidden[start:start + step], weight, bias, dtype, transform)
         rows = torch.arange(logits.shape[0], device=logits.device)
-        losses[positions[start:start + step]] = torch.logsumexp(logits, -1) - logits[rows, wanted[start:start + step]]
+        lse = torch.logsumexp(logits, -1)
+        losses[at] = lse - logits[rows, wanted[start:start + step]]
+        if entropies is not None:  # H = lse - sum p z
+            entropies.view(-1)[at] = lse - (torch.softmax(logits, -1) * logits).sum(-1)
     return losses.view(labels.shape)
 
 

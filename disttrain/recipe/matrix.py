@@ -82,7 +82,7 @@ Cell = Proven | Refused | NeedsGpu
 # process on the same recipe: `adapters`, `full`, `preference` to the strategy matrix's tolerances;
 # `noise` (stochastic) with replicas compared every step and losses within NOISE_TOLERANCE. In the one-process
 # column the run is the reference itself: its cells say the features run there.
-RUN_KINDS = ("adapters", "full", "noise", "preference")
+RUN_KINDS = ("adapters", "full", "noise", "preference", "rl")
 NOISE_TOLERANCE = 0.05
 
 FEATURES = (
@@ -114,6 +114,12 @@ FEATURES = (
     Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),
+    Feature("grpo", "online RL: GRPO family (rollouts, rewards; the variants below)",
+            ("training.objective=grpo", "data.path=data/tiny_prompts.jsonl", "data.format=prompt",
+             "data.eval_path=null",
+             "rl.rewards=[{function: recipes/tiny/rewards.py:letters}, "
+             "{function: recipes/tiny/rewards.py:answer_words, weight: 0.5}]",
+             "rl.num_generations=4", "rl.max_completion_length=8")),
     Feature("scoring", "evaluation during training (lm-eval)",
             ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
              "evaluation.limit=5")),
@@ -166,6 +172,20 @@ ULYSSES_OR_CP = "is not supported under accelerate_configs/"
 # some loss; each loss equals TRL's in tests/test_preference.py; the sigmoid loss is the DPO tests' own).
 PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_offload": "simpo", "hsdp": "ipo",
                    "zero1": "orpo", "zero2": "ipo", "zero3": "hinge", "zero3_offload": "simpo"}
+# The online-RL runs take the loss variants in turn (pairwise coverage: each variant under some config, every
+# data-parallel config under some variant; each loss equals TRL's in tests/test_policy_loss.py). Each is compared
+# with one process running the same variant.
+RL_VARIANT = {
+    "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
+    "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0"),  # KL to the adapters-off reference
+    "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
+    "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0"),
+    "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true"),
+    "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch"),
+    "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004"),
+    "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05"),  # the old policy; a ZeRO-3 frozen copy
+    "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8"),
+}
 TP_REFUSAL = "is not supported under tensor parallelism"
 SINGLE_REFERENCE = "the one-process reference of every comparison"
 
@@ -258,6 +278,11 @@ CELLS: dict[str, dict[str, Cell]] = {
                                                              f"{PREFERENCE_LOSS[c]}: one loss per config, in turn")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+    },
+    "grpo": {
+        **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("rl", ", ".join(RL_VARIANT[c]))),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=grpo " + TP_REFUSAL)),
     },
     "scoring": _each(CONFIGS, lambda c: _run("adapters")),
     "samples": _each(CONFIGS, lambda c: _run("adapters")),

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from disttrain.recipe.schema import Recipe, SourceSection, _SourceFields
+from disttrain.recipe.schema import Recipe, RewardSection, SourceSection, _SourceFields
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 BEGIN = "<!-- BEGIN field reference: generated from disttrain/recipe/schema.py by `make docs`; edit the schema -->"
@@ -31,6 +31,9 @@ def _section_class(annotation) -> type[BaseModel] | None:
     return None
 
 
+_ENTRIES = {SourceSection: "sources", RewardSection: "reward functions"}  # lists of sections, tabled after theirs
+
+
 def _type(annotation) -> str:
     """A YAML user's reading of the annotation: choices, lists, maps, 'or null'."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -40,7 +43,8 @@ def _type(annotation) -> str:
         kinds = [_type(a) for a in args if a is not type(None)]
         return " or ".join(kinds) + (" or null" if type(None) in args else "")
     if origin is list:
-        return "list of sources (below)" if _section_class(args[0]) else f"list of {_type(args[0])}"
+        entry = _section_class(args[0])
+        return f"list of {_ENTRIES[entry]} (below)" if entry else f"list of {_type(args[0])}"
     if origin is dict:
         return f"map {_type(args[0])} → {_type(args[1])}"
     return {str: "text", int: "integer", float: "number", bool: "true / false"}.get(annotation, str(annotation))
@@ -91,6 +95,8 @@ def reference() -> str:
             lines += ["", "Each entry of `data.sources` (a mixture) takes these, and the fields it shares with "
                       "`data` (`" + "`, `".join(shared) + "`):", "",
                       *_table("data.sources[].", SourceSection, skip=shared)]
+        if name == "rl":
+            lines += ["", "Each entry of `rl.rewards` takes these:", "", *_table("rl.rewards[].", RewardSection)]
     return "\n".join(lines + ["", END])
 
 

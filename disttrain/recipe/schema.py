@@ -45,16 +45,20 @@ class ModelSection(_Section):
         "Mixtral as published); a dense model is refused in one line")
 
 
-DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference"]
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference", "prompt"]
 # the record fields each format reads; `columns` maps them to a dataset's own column names
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools"),
-                 "sharegpt": ("conversations", "tools", "system"), "text": ("text",)}
+                 "sharegpt": ("conversations", "tools", "system"), "text": ("text",), "prompt": ("prompt", "tools")}
 
 
 class _SourceFields(_Section):
     """What one data source says: where its records are, how to read them, and its evaluation data."""
 
     split: str = Field("train", description="The split to train on (hub datasets)")
+    subset: str | None = Field(None, description="The hub dataset's configuration, e.g. main for openai/gsm8k")
+    chat_prompt: bool = Field(False, description="format prompt: a string prompt becomes the user's turn of a "
+                              "conversation (after system_prompt, if set), rendered by the chat template with its "
+                              "generation prompt; false: a string prompt is used as it is (as TRL does)")
     eval_path: str | None = Field(None, description="Evaluation data: a file in the same format")
     eval_split: str | None = Field(None, description="Evaluation data: a split of the same dataset")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Evaluation data: this fraction held out of the "
@@ -74,7 +78,7 @@ class _SourceFields(_Section):
 
 class SourceSection(_SourceFields):
     path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
-    format: DataFormat = Field(description="alpaca, chat, sharegpt, text or preference (docs/data.md)")
+    format: DataFormat = Field(description="alpaca, chat, sharegpt, text, preference or prompt (docs/data.md)")
     name: str | None = Field(None, description="Shown in reports and eval metrics; default: the file's stem")
     weight: float = Field(1.0, gt=0, description="Sampling probability in the mixture (normalised over sources; "
                           "a small source is oversampled, not cut)")
@@ -86,12 +90,13 @@ class SourceSection(_SourceFields):
 class DataSection(_SourceFields):
     path: str | None = Field(None, description="One source: a local .jsonl/.json/.parquet file or glob "
                              "(data/part-*.jsonl), or a `datasets` hub name")
-    format: DataFormat | None = Field(None, description="alpaca, chat, sharegpt, text (docs/data.md) or preference "
-                                      "(DPO pairs, docs/preference.md)")
+    format: DataFormat | None = Field(None, description="alpaca, chat, sharegpt, text (docs/data.md), preference "
+                                      "(DPO pairs, docs/preference.md) or prompt (online RL, docs/rl.md)")
     sources: list[SourceSection] | None = Field(None, description="A mixture instead of path/format: a list of "
                                                 "{path, format, name, weight, split, eval_*, columns, roles, "
                                                 "system_prompt}, sampled by weight")
-    max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated")
+    max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated (format "
+                             "prompt: the longest prompt; a longer one stops the run in one line)")
     packing: bool = Field(False, description="Several records per row, none attending to another (position ids "
                           "restart per record)")
     text_field: str = Field("text", description="format text: the column holding the text")
@@ -133,15 +138,18 @@ class DataSection(_SourceFields):
         if self.sources is not None:
             return self.sources
         columns = {"text": self.text_field, "messages": self.messages_field, **self.columns}
-        return [SourceSection(path=self.path, format=self.format, name="train", split=self.split,
-                              eval_path=self.eval_path, eval_split=self.eval_split, eval_fraction=self.eval_fraction,
-                              system_prompt=self.system_prompt, columns=columns, roles=self.roles)]
+        return [SourceSection(path=self.path, format=self.format, name="train", split=self.split, subset=self.subset,
+                              chat_prompt=self.chat_prompt, eval_path=self.eval_path, eval_split=self.eval_split,
+                              eval_fraction=self.eval_fraction, system_prompt=self.system_prompt, columns=columns,
+                              roles=self.roles)]
 
 
 class TrainingSection(_Section):
     epochs: int = Field(1, ge=1, description="Passes over the training data (unless max_steps is set)")
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per device per forward")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs (grpo: batches of "
+                                  "prompts, each trained on rl.num_iterations times)")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per device per forward (grpo: prompts, each with "
+                                  "rl.num_generations completions)")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step: the global batch is "
                             "micro_batch_size x grad_accum x data-parallel processes")
     lr: float = Field(2e-5, gt=0, description="Peak learning rate")
@@ -176,8 +184,11 @@ class TrainingSection(_Section):
                           "one process, DDP and FSDP2, refused under the others unless DISTTRAIN_ALLOW_UNVERIFIED=1")
     neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of scale alpha / "
                                         "sqrt(seq x hidden) on the input embeddings while training (5 is usual)")
-    objective: Literal["sft", "dpo"] = Field("sft", description="sft: learn the targets; dpo: preference tuning "
-                                             "on {prompt, chosen, rejected} pairs (the preference section)")
+    objective: Literal["sft", "dpo", "grpo"] = Field("sft", description="sft: learn the targets; dpo: preference "
+                                                     "tuning on {prompt, chosen, rejected} pairs (the preference "
+                                                     "section); grpo: online RL on prompts, completions generated "
+                                                     "by the policy and scored by rewards (the rl section, "
+                                                     "docs/rl.md)")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -202,6 +213,53 @@ class PreferenceSection(_Section):
 
     def reference_free(self) -> bool:
         return self.loss in ("simpo", "orpo")
+
+
+class RewardSection(_Section):
+    function: str = Field(description="`module:function` (a dotted module, e.g. trl.rewards:think_format_reward, or "
+                          "a .py file relative to the working directory, e.g. recipes/tiny/rewards.py:exact_answer), "
+                          "called as TRL calls reward functions: (prompts=, completions=, completion_ids=, **the "
+                          "dataset's other columns) -> one number (or None) per completion")
+    weight: float = Field(1.0, description="Its weight in the summed reward")
+
+
+class RLSection(_Section):
+    """training.objective: grpo. The policy-gradient losses as TRL 1.16's GRPOTrainer computes them."""
+
+    loss: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = Field(
+        "dapo", description="How token losses are aggregated (TRL's loss_type, each checked against TRL): grpo (mean "
+        "per completion, then over completions), dr_grpo (sum / (completions x max_completion_length)), dapo (sum / "
+        "completion tokens of the whole step, all ranks), bnpo (per micro-batch token mean), cispo (clipped "
+        "importance weights, detached, times the log-prob; aggregated as dapo)")
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token", description="token: a ratio per token; sequence: one ratio per completion, the mean of its "
+        "tokens' log-ratios (GSPO)")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group its advantages "
+                                 "are relative to); training.micro_batch_size counts prompts, so a micro-batch "
+                                 "trains on micro_batch_size x num_generations completions")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps on each batch of completions (mu); above 1 "
+                                "the ratios are taken to the log-probs at generation (the old policy)")
+    max_completion_length: int = Field(256, ge=1, description="Tokens generated per completion at most")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the log-probs trained on are taken at "
+                               "it too, as TRL does")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling")
+    top_k: int | None = Field(None, ge=1, description="Top-k sampling (null: off)")
+    epsilon: float = Field(0.2, gt=0, description="Clipping: the ratio is kept within [1 - epsilon, 1 + "
+                           "epsilon_high]")
+    epsilon_high: float | None = Field(None, gt=0, description="The upper clip (null: epsilon; DAPO uses 0.28; "
+                                       "cispo: the cap on the importance weight, 5.0 recommended)")
+    beta: float = Field(0.0, ge=0.0, description="KL penalty to the reference (k3 estimator, as TRL); 0: no "
+                        "reference")
+    reference: Literal["auto", "model", "adapters"] = Field(
+        "auto", description="With beta > 0: auto -> LoRA: the base model with the adapters disabled; full "
+        "fine-tuning: a frozen copy of the initial weights, sharded like the policy (model)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages: (reward - its group's mean) divided by the group's std (group), the "
+        "std of the step's rewards on all ranks (batch) or not divided (none, Dr. GRPO)")
+    mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length (no EOS) "
+                                             "are left out of the loss")
+    rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions and their "
+                                         "weights: [{function: module:function, weight: 1.0}, ...]")
 
 
 class LoraSection(_Section):
@@ -335,6 +393,7 @@ class Recipe(_Section):
     training: TrainingSection = TrainingSection()
     lora: LoraSection | None = None
     preference: PreferenceSection = PreferenceSection()
+    rl: RLSection = RLSection()
     logging: LoggingSection = LoggingSection()
     distributed: DistributedSection = DistributedSection()
     evaluation: EvaluationSection = EvaluationSection()
@@ -374,11 +433,18 @@ class Recipe(_Section):
                              f"multiple of output.checkpoint_every (now {saved})")
 
     def _check_objective(self) -> None:
-        pairs = [s.format == "preference" for s in self.data.all_sources()]
-        if self.training.objective == "sft" and any(pairs):
+        formats = [s.format for s in self.data.all_sources()]
+        pairs = [f == "preference" for f in formats]
+        objective = self.training.objective
+        if objective != "dpo" and any(pairs):
             raise ValueError("data.format: preference holds {prompt, chosen, rejected} pairs: set "
                              "training.objective: dpo (or give SFT data)")
-        if self.training.objective != "dpo":
+        if objective != "grpo" and "prompt" in formats:
+            raise ValueError("data.format: prompt holds prompts without answers: set training.objective: grpo (online "
+                             "RL, docs/rl.md), or give data with answers")
+        if objective == "grpo":
+            self._check_rl(formats)
+        if objective != "dpo":
             return
         if not all(pairs):
             raise ValueError("training.objective: dpo needs data.format: preference ({prompt, chosen, rejected} "
@@ -398,6 +464,40 @@ class Recipe(_Section):
         if pref.reference == "model" and self.lora is not None:
             raise ValueError("preference.reference: model with LoRA would hold a second copy of the base model; "
                              "use auto (the base model with the adapters disabled is the reference)")
+
+    def _check_rl(self, formats: list[str]) -> None:
+        rl = self.rl
+        if any(f != "prompt" for f in formats):
+            raise ValueError("training.objective: grpo needs data.format: prompt (a `prompt` column: a string or chat "
+                             "messages ending with the user's turn) for every source")
+        if not rl.rewards:
+            raise ValueError("training.objective: grpo needs rl.rewards: at least one {function: module:function, "
+                             "weight: 1.0} (docs/rl.md)")
+        if self.data.packing or self.data.streaming:
+            raise ValueError("training.objective: grpo generates its own rows: data.packing and data.streaming do not "
+                             "apply (remove them)")
+        if self.training.loss_impl != "chunked":
+            raise ValueError("training.objective: grpo computes its log-probs with the chunked loss: remove "
+                             f"training.loss_impl: {self.training.loss_impl}")
+        if any(s.eval_path or s.eval_split or s.eval_fraction for s in self.data.all_sources()) or \
+                self.training.eval_every:
+            raise ValueError("training.objective: grpo has no held-out evaluation yet: remove data.eval_path / "
+                             "eval_split / eval_fraction and training.eval_every (the rewards of every step are in "
+                             "metrics.jsonl)")
+        if rl.beta > 0 and rl.reference == "adapters" and self.lora is None:
+            raise ValueError("rl.reference: adapters needs a lora section (the base model with the adapters disabled "
+                             "is the reference); use auto or model")
+        if rl.beta > 0 and rl.reference == "model" and self.lora is not None:
+            raise ValueError("rl.reference: model with LoRA would hold a second copy of the base model; use auto "
+                             "(the base model with the adapters disabled is the reference)")
+
+    def rl_reference(self) -> str:
+        """What the GRPO reference is in this run: none (beta 0), adapters (LoRA: adapters disabled), model."""
+        if self.rl.beta == 0:
+            return "none"
+        if self.rl.reference == "auto":
+            return "adapters" if self.lora is not None else "model"
+        return self.rl.reference
 
     def for_launch(self, strategy: str, processes: int) -> Recipe:
         """This recipe with output.dir's {strategy} and {processes} filled in for the running launch."""

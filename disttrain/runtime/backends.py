@@ -9,6 +9,7 @@ machine without an accelerator the same configs run over gloo:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -267,6 +268,33 @@ def bare_model(accelerator, model):
     the DDP module (no config, no save_pretrained, no input embeddings). The blocks are shared with the compiled
     copy, so hooks and weights are the trained ones."""
     return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+@contextlib.contextmanager
+def generating(accelerator, model):
+    """The bare model ready for generate() in eval mode, train mode restored after. Under FSDP2, generate() may
+    enter below the root module (peft's generate calls the base model), so the root's own parameters would stay
+    sharded: they are gathered for the whole generation (the layers gather themselves per forward)."""
+    module = bare_model(accelerator, model)
+    root = module if _is_fsdp2(module) else None
+    if root is not None:
+        root.unshard()
+    was_training = model.training
+    model.eval()
+    try:
+        yield module
+    finally:
+        model.train(was_training)
+        if root is not None:
+            root.reshard()
+
+
+def _is_fsdp2(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def shards_weights(accelerator) -> bool:

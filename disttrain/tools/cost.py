@@ -13,7 +13,11 @@ unsharded gradients, 4 bytes/trainable parameter in fp32), activations (Korthika
 34 with gradient checkpointing), logits (training.loss_impl=plain: bf16 + fp32 copy + fp32 grad = 10 bytes x
 seq x batch x vocab; chunked, the default: one 64 MB chunk of fp32 logits and its gradient),
 preference tuning's reference (a frozen copy of the weights for `reference: model`, sharded like the policy;
-a micro-batch of pairs is twice the sequences; the reference forward in FLOPs), and a 2 GB reserve
+a micro-batch of pairs is twice the sequences; the reference forward in FLOPs), online RL's rollouts (a
+micro-batch is micro_batch_size x num_generations sequences of prompt + completion; the forward passes that
+sample them, the old policy's and the reference's log-probs in FLOPs, once per rl.num_iterations steps; their
+decoding time only at a decode rate you give, --decode-tokens-per-s: decoding is bound by memory bandwidth, not
+by FLOPs, and no MFU describes it), and a 2 GB reserve
 (CUDA context, communication buffers). Estimates, not measurements: the recommendation is the cheapest
 strategy that fits with 15% of the card to spare (a plan with less is marked "tight" and recommended only
 when nothing else fits).
@@ -76,6 +80,12 @@ class Workload:
     # preference tuning's reference (Recipe.reference_mode): "model" holds a frozen copy of the weights, sharded
     # like the policy; "adapters" and "model" run one more forward per step, "precomputed" one over the data
     reference: str = "none"
+    # online RL (training.objective: grpo): forward passes per trained token made for the rollouts (sampling, the
+    # old policy's and the reference's log-probs, once per rl.num_iterations steps), generated tokens per trained
+    # token, and the decode rate per GPU to time the sampling at (None: not timed)
+    rollout_forwards: float = 0.0
+    generated_share: float = 0.0
+    decode_tokens_per_s: float | None = None
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -153,7 +163,16 @@ def logits_bytes(w: Workload, tokens: int) -> float:
 
 
 def flops_per_token(w: Workload) -> float:
-    return _training_flops_per_token(w) + reference_flops_per_token(w)
+    return _training_flops_per_token(w) + reference_flops_per_token(w) + rollout_flops_per_token(w)
+
+
+def rollout_flops_per_token(w: Workload) -> float:
+    """Online RL: the rollouts' forward passes per trained token (sampling with the KV cache costs about one
+    forward per token; the old policy's and the reference's log-probs one each)."""
+    if not w.rollout_forwards:
+        return 0.0
+    forward = 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
+    return w.rollout_forwards * forward
 
 
 def _training_flops_per_token(w: Workload) -> float:
@@ -166,7 +185,7 @@ def reference_flops_per_token(w: Workload) -> float:
     """Preference tuning's reference forward (2 FLOPs/weight/token and a third of the attention term, as
     throughput.FlopsMeter counts a live one): every step for adapters/model; once over the data when
     precomputed, counted per training token (exact for one epoch, an upper bound for more)."""
-    if w.reference == "none":
+    if w.reference == "none" or w.rollout_forwards:  # online RL counts its reference among the rollouts' passes
         return 0.0
     return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
@@ -214,6 +233,8 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
         fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
         tight = fits and need > gpu.memory_gb * HEADROOM
         seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
+        if w.decode_tokens_per_s:  # online RL: the sampling at the decode rate given
+            seconds += w.tokens * w.generated_share / (n_gpus * w.decode_tokens_per_s)
         hours = seconds / 3600
         rows.append({"strategy": strategy, "states_gb": states, "activations_gb": act, "need_gb": need,
                      "host_ram_gb": host, "fits": fits, "tight": tight, "mfu": mfu[strategy],
@@ -229,7 +250,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
 def _workload_from_args(args) -> tuple[Workload, str]:
     shape = None
     lora = None
-    weight_bytes, no_sync_bytes, loss_impl, reference = 2.0, 0.0, "chunked", "none"
+    weight_bytes, no_sync_bytes, loss_impl, reference, rollout = 2.0, 0.0, "chunked", "none", {}
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
     title = ""
     if args.recipe or args.config:
@@ -250,6 +271,10 @@ def _workload_from_args(args) -> tuple[Workload, str]:
                 reference = recipe.reference_mode()
                 if not args.micro_batch:
                     micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
+            rollout = _rollout(recipe, args) if recipe.training.objective == "grpo" else {}
+            if rollout:
+                reference = recipe.rl_reference()
+                seq_len, micro = args.seq_len or rollout.pop("seq_len"), args.micro_batch or rollout.pop("micro")
             ckpt = ckpt or recipe.model.gradient_checkpointing
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             loss_impl = recipe.training.loss_impl
@@ -274,9 +299,23 @@ def _workload_from_args(args) -> tuple[Workload, str]:
         lora_params = args.lora_params
         title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
     if reference != "none":
-        title += f", DPO reference: {reference}"
+        title += f", {'GRPO' if rollout else 'DPO'} reference: {reference}"
+    rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
+                                                         "decode_tokens_per_s")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes, loss_impl, reference), title
+                    no_sync_bytes, loss_impl, reference, **rollout), title
+
+
+def _rollout(recipe, args) -> dict:
+    """Online RL's shape: sequences of prompt + completion, num_generations of them per prompt, the rollouts'
+    forward passes and generated tokens per trained token."""
+    rl = recipe.rl
+    seq_len = recipe.data.max_seq_len + rl.max_completion_length
+    passes = 1 + (rl.num_iterations > 1) + (recipe.rl_reference() != "none")
+    return {"seq_len": seq_len, "micro": recipe.training.micro_batch_size * rl.num_generations,
+            "rollout_forwards": passes / rl.num_iterations,
+            "generated_share": rl.max_completion_length / seq_len / rl.num_iterations,
+            "decode_tokens_per_s": args.decode_tokens_per_s}
 
 
 def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
@@ -285,7 +324,7 @@ def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:
 
     return _workload_from_args(argparse.Namespace(recipe=recipe_path, config=None, params=None, lora_params=None,
                                                   tokens=0.0, seq_len=None, micro_batch=None,
-                                                  gradient_checkpointing=False))
+                                                  gradient_checkpointing=False, decode_tokens_per_s=None))
 
 
 def _lora_params(config, r: int, targets, parameters=None) -> int:
@@ -343,7 +382,13 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
            " (6N; attention term needs --config/--recipe)")
         + f", total {result['total_flops']:.3g} FLOPs",
         *([f"  DPO reference ({w.reference}): {reference_flops_per_token(w):.3g} FLOPs/token of forward included, "
-           + REFERENCE_NOTES[w.reference]] if w.reference != "none" else []),
+           + REFERENCE_NOTES[w.reference]] if w.reference != "none" and not w.rollout_forwards else []),
+        *([f"  online RL: {w.rollout_forwards:.2g} rollout forward passes per trained token (sampling, old policy, "
+           f"reference) = {rollout_flops_per_token(w):.3g} FLOPs/token included; {w.generated_share:.2g} generated "
+           "tokens per trained token, "
+           + (f"decoded at {w.decode_tokens_per_s:g} tokens/s per GPU (given)" if w.decode_tokens_per_s else
+              "their decoding time not included: give --decode-tokens-per-s (a run's rollout_tokens_per_s / GPUs)")]
+          if w.rollout_forwards else []),
         f"  {result['gpus']} x {gpu['name']}: {gpu['peak_tflops']:g} TFLOP/s dense bf16, {gpu['memory_gb']:g} GB, "
         f"${result['price_per_gpu_hour']:.2f}/GPU-hour",
         "",
@@ -410,6 +455,9 @@ def main(argv=None) -> None:
     parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
                         help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
+    parser.add_argument("--decode-tokens-per-s", type=float,
+                        help="online RL: completion tokens each GPU samples per second (a run's rollout_tokens_per_s "
+                             "/ GPUs), to time the rollouts")
     parser.add_argument("--bench", help="bench/results.json from `make bench`: its measured MFU per strategy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

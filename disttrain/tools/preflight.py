@@ -28,7 +28,8 @@ from disttrain.metrics.log import read_metrics
 
 MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
-             "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl"}
+             "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl",
+             "prompt": "data/tiny_prompts.jsonl"}
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 TINY_EXPERTS = 4
 
@@ -105,6 +106,8 @@ def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) ->
             notes.append(f"data: hub dataset {src.path!r} replaced by the shipped {TINY_DATA[src.format]}")
         if recipe.data.sources is None:
             data_overrides.append(f"data.path={path}")
+            if path != src.path:  # a hub dataset's columns do not apply to the shipped data
+                data_overrides += ["data.columns={}", "data.subset=null"]
         else:  # no evaluation in the dry run; columns of a hub dataset do not apply to the shipped data
             data_overrides += [f"data.sources.{i}.path={path}", f"data.sources.{i}.eval_path=null",
                                f"data.sources.{i}.eval_split=null", f"data.sources.{i}.eval_fraction=0.0"]
@@ -124,6 +127,9 @@ def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) ->
         "training.optimizer=adamw", "training.eval_every=null",
         "logging.report_to=[none]", "logging.every_steps=1", f"output.dir={run_dir}",
     ]
+    if recipe.training.objective == "grpo":  # rollouts sized for CPU processes
+        overrides += [f"rl.num_generations={min(recipe.rl.num_generations, 4)}",
+                      f"rl.max_completion_length={min(recipe.rl.max_completion_length, 16)}"]
     return overrides, notes
 
 

@@ -141,6 +141,18 @@ def choice_records(n: int, seed: int) -> list[dict]:
     return out
 
 
+def prompt_records(n: int, seed: int) -> list[dict]:
+    """Online RL's prompts (data.format: prompt): the tasks' user turn as messages, the answer in a column of its
+    own that the reward functions read (recipes/tiny/rewards.py)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        instruction, text, answer = _task(rng)
+        if text:  # "Repeat the words." holds its words in the answer only: nothing a policy could find
+            out.append({"prompt": [{"role": "user", "content": f"{instruction} {text}"}], "answer": answer})
+    return out
+
+
 def text_records(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))} for _ in range(n)]
@@ -158,6 +170,7 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_dpo.jsonl": preference_records(800, seed=5, messages=True),
         "tiny_dpo_eval.jsonl": preference_records(64, seed=6, messages=False),
         "tiny_tasks_eval.jsonl": choice_records(100, seed=7),  # eval_tasks/disttrain_tiny (make eval)
+        "tiny_prompts.jsonl": prompt_records(400, seed=8),  # recipes/tiny/grpo.yaml
     }
     written = []
     for name, records in files.items():

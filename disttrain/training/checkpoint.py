@@ -88,22 +88,24 @@ def _rank_state_file(checkpoint: Path, rank: int) -> Path:
 
 
 def load_rank_state(checkpoint: Path, rank: int) -> dict:
-    """This rank's stream position saved in `checkpoint`."""
+    """This rank's step-source state saved in `checkpoint` (a stream's position, online RL's completions)."""
     path = _rank_state_file(checkpoint, rank)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint} holds no stream position for rank {rank} ({path} is "
-                              "missing): it was not written by a streaming run of this size")
+        raise CheckpointError(f"checkpoint {checkpoint} holds no data state for rank {rank} ({path} is missing): it "
+                              "was not written by a run of this kind and size (a streaming run's position, or online "
+                              "RL's completions with rl.num_iterations > 1)")
     return json.loads(path.read_text())
 
 
-def restore(accelerator, checkpoint: Path, saved_state: dict, train_state, feed) -> None:
+def restore(accelerator, checkpoint: Path, saved_state: dict, train_state, steps) -> None:
     """Resume in one call, what `save` wrote: weights, optimizer, schedule and RNG (accelerate's state, or DCP
-    under TP), the train state (`saved_state`, read and matched by resume_point), and the feed's own position
-    where it keeps one (a stream's, per rank; a map-style feed's follows from the step)."""
+    under TP), the train state (`saved_state`, read and matched by resume_point), and the step source's own state
+    where it keeps one (a stream's position, per rank; online RL's completions between two iterations; a
+    map-style feed's position follows from the step)."""
     accelerator_state.load_state(accelerator, checkpoint)
     train_state.load_state_dict(saved_state)
-    if feed.rank_state is not None:
-        feed.restore(load_rank_state(checkpoint, accelerator.process_index))
+    if steps.rank_state is not None:
+        steps.restore(load_rank_state(checkpoint, accelerator.process_index))
 
 
 def save(accelerator, output_dir: str | Path, train_state, shape: RunShape, keep_last: int,

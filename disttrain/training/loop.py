@@ -195,6 +195,11 @@ class StepSource(Protocol):
     them itself (from the feed's rows and the current model, e.g. completions it generates before each step)."""
 
     total_steps: int
+    per_epoch: int
+    rank_state: Any  # () -> this rank's resume state (JSON) saved in every checkpoint, or None: nothing to save
+
+    def restore(self, rank_state: dict) -> None:
+        """On resume: the state rank_state() saved."""
 
     def windows(self, run: Run, state: TrainState) -> Iterator[list[dict]]:
         """The micro-batches of each optimizer step from state.step on (grad_accum of them per step); it keeps

@@ -13,16 +13,19 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX
-from disttrain.runtime.backends import bare_model
+from disttrain.runtime.backends import generating
 
 PROMPT_TOKENS_WITHOUT_TARGETS = 16  # a document (continued pretraining): its first tokens are the prompt
 
 
 def sample_prompts(rows, count: int) -> list[list[int]]:
-    """Token ids of up to `count` prompts from dataset rows (SFT rows or preference pairs)."""
+    """Token ids of up to `count` prompts from dataset rows (SFT rows, preference pairs or RL prompts)."""
     prompts = []
     for i in range(min(count, len(rows))):
         row = rows[i]
+        if "prompt_ids" in row:  # online RL's prompts: as they are
+            prompts.append(list(row["prompt_ids"]))
+            continue
         ids, labels = (row["chosen_input_ids"], row["chosen_labels"]) if "chosen_input_ids" in row else \
             (row["input_ids"], row["labels"])
         if "position_ids" in row:  # a packed row: its first example
@@ -37,16 +40,8 @@ def sample_prompts(rows, count: int) -> list[list[int]]:
 @torch.no_grad()
 def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """Greedy completions of every prompt, the same number of forward steps on every rank."""
-    module = bare_model(accelerator, model)
-    # FSDP2: generate() may enter below the root module (peft's generate calls the base model), so the root's
-    # own parameters would stay sharded; gather them for the whole generation (the layers gather themselves)
-    root = module if _is_fsdp2(module) else None
-    if root is not None:
-        root.unshard()
-    was_training = model.training
-    model.eval()
     samples = []
-    try:
+    with generating(accelerator, model) as module:
         for ids in prompts:
             inputs = torch.tensor([ids], device=accelerator.device)
             out = module.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
@@ -56,19 +51,7 @@ def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens
             if tokenizer.eos_token_id in new:
                 new = new[:new.index(tokenizer.eos_token_id) + 1]
             samples.append({"prompt": tokenizer.decode(ids), "completion": tokenizer.decode(new)})
-    finally:
-        model.train(was_training)
-        if root is not None:
-            root.reshard()
     return samples
-
-
-def _is_fsdp2(module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(module, FSDPModule)
 
 
 def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:

@@ -1,0 +1,184 @@
+"""Rewards for training.objective: grpo: Python functions named in the recipe (rl.rewards), called as TRL calls
+reward functions -- `f(prompts=, completions=, completion_ids=, **columns)` with one entry per completion and the
+prompt's other dataset columns by name, returning one number (or None: not scored) per completion -- so TRL's own
+(`trl.rewards:accuracy_reward`, `think_format_reward`) and any written for TRL work as they are. A conversational
+prompt's completions are `[{"role": "assistant", "content": text}]`, a plain prompt's are the text.
+
+Advantages as TRL computes them (sum_then_normalize): the weighted sum of the functions' rewards (None as NaN,
+left out of the sums), minus its group's mean (the prompt's num_generations completions), divided by the
+group's std (scale_rewards: group), by the std of every reward of the step on all ranks (batch) or not at all
+(none), plus 1e-4. A completion no function scored gets advantage 0.
+
+What a reward function does wrong is one line naming it and the completion: an exception (the function is
+called again on that completion alone to find it), a count other than one per completion, a value that is not
+a number. A function that needs a dataset column the data lacks is named before any model loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from disttrain.errors import DisttrainError
+
+PASSED = ("prompts", "completions", "completion_ids")  # what every reward function is given beside the columns
+
+
+def load_function(spec: str, where: str) -> Callable:
+    """`module:function` (a dotted module, or a .py file relative to the working directory) -> the function."""
+    module_name, _, name = spec.rpartition(":")
+    if not module_name or not name:
+        raise DisttrainError(f"{where}: {spec!r} is not module:function (e.g. trl.rewards:think_format_reward or "
+                             "recipes/tiny/rewards.py:exact_answer)")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise DisttrainError(f"{where}: {module_name} is not a file (paths are relative to the directory "
+                                     "the run starts in)")
+            unique = f"disttrain_rewards_{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(unique)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(unique, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[unique] = module
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except DisttrainError:
+        raise
+    except Exception as exc:  # ImportError, or the module's own code failing as it is imported
+        raise DisttrainError(f"{where}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise DisttrainError(f"{where}: {module_name} has no function {name!r}")
+    return function
+
+
+def needed_columns(function: Callable) -> list[str]:
+    """The keyword arguments a reward function cannot do without, beyond what it is always given."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in PASSED
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+@dataclass
+class Reward:
+    name: str  # as the recipe names it (metrics: rewards/<function name>)
+    function: Callable
+    weight: float
+
+
+def reward_names(rl) -> list[str]:
+    """Each reward function's name in the metrics (rewards/<name>/mean): the function's, with its index where two
+    share one."""
+    names = [spec.function.rpartition(":")[2] for spec in rl.rewards]
+    return [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+class Rewards:
+    """The recipe's reward functions, loaded and checked against the data's columns."""
+
+    def __init__(self, rl):
+        self.items = [Reward(name, load_function(spec.function, f"rl.rewards[{i}]"), spec.weight)
+                      for i, (name, spec) in enumerate(zip(reward_names(rl), rl.rewards))]
+        self.weights = torch.tensor([r.weight for r in self.items], dtype=torch.float32)
+
+    def check_columns(self, columns: set[str], data: str) -> None:
+        """Every column a function requires is in the data, else one line naming both."""
+        for i, reward in enumerate(self.items):
+            missing = [c for c in needed_columns(reward.function) if c not in columns]
+            if missing:
+                raise DisttrainError(f"rl.rewards[{i}] ({reward.name}) needs the column {missing[0]!r}, which {data} "
+                                     f"does not have (its columns: {', '.join(sorted(columns))}); map it with the "
+                                     "source's columns or use another function")
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+              where: Callable[[int], str]) -> torch.Tensor:
+        """[completions, functions] float32 rewards (NaN: not scored). `where(i)` names completion i."""
+        table = torch.full((len(completions), len(self.items)), float("nan"))
+        for j, reward in enumerate(self.items):
+            values = self._call(reward, prompts, completions, completion_ids, columns, where, j)
+            for i, value in enumerate(values):
+                if value is None:
+                    continue
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    value = value.item()
+                if not isinstance(value, (int, float)):  # bool is an int; NaN stays "not scored", as TRL
+                    raise DisttrainError(f"rl.rewards[{j}] ({reward.name}) returned {value!r:.60} for {where(i)}: "
+                                         "a reward is a number (or None: not scored)")
+                table[i, j] = float(value)
+        return table
+
+    @staticmethod
+    def _call(reward: Reward, prompts, completions, completion_ids, columns, where, index: int) -> list:
+        def call(rows):
+            return reward.function(prompts=[prompts[i] for i in rows], completions=[completions[i] for i in rows],
+                                   completion_ids=[completion_ids[i] for i in rows],
+                                   **{k: [values[i] for i in rows] for k, values in columns.items()})
+
+        rows = list(range(len(completions)))
+        try:
+            values = call(rows)
+        except Exception as exc:
+            for i in rows:  # the first completion it fails on, by itself
+                try:
+                    call([i])
+                except Exception as alone:
+                    raise DisttrainError(f"rl.rewards[{index}] ({reward.name}) raised {type(alone).__name__}: "
+                                         f"{str(alone)[:200]} on {where(i)}") from None
+            raise DisttrainError(f"rl.rewards[{index}] ({reward.name}) raised {type(exc).__name__}: {str(exc)[:200]} "
+                                 "on a batch of completions (each alone passes)") from None
+        try:
+            values = list(values)
+        except TypeError:
+            raise DisttrainError(f"rl.rewards[{index}] ({reward.name}) returned {type(values).__name__}, not a list "
+                                 "of one reward per completion") from None
+        if len(values) != len(completions):
+            raise DisttrainError(f"rl.rewards[{index}] ({reward.name}) returned {len(values)} rewards for "
+                                 f"{len(completions)} completions: one per completion")
+        return values
+
+
+def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: the functions' rewards weighted and summed (NaN left out; NaN if none scored)."""
+    summed = (rewards * weights.unsqueeze(0)).nansum(dim=1)
+    summed[torch.isnan(rewards).all(dim=1)] = float("nan")
+    return summed
+
+
+def advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str,
+               batch_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, summed rewards) of [completions, functions] rewards, completions grouped by prompt in
+    consecutive runs of `group`; `batch_std`: the std of the step's summed rewards on all ranks (scale: batch)."""
+    summed = weighted_sum(rewards, weights)
+    grouped = summed.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = batch_std.expand_as(summed)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(group)
+    result = summed - mean
+    if scale != "none":
+        result = result / (std + 1e-4)
+    return torch.nan_to_num(result, nan=0.0), summed
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased std ignoring NaNs (TRL's nanstd)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
+    variance = variance * count / (count - 1)
+    std = torch.sqrt(variance)
+    return std.squeeze(dim) if dim is not None else std.reshape(())

@@ -1,0 +1,236 @@
+"""Online RL's parts in one process (training.objective: grpo; the launches are in test_grpo_launch.py):
+
+- prompts as the families' own templates render them with the generation prompt (every family fixture of
+  test_chat_families.py, compact and indented), plain prompts as they are, and bad prompts in one line;
+- the chunked head's loss and gradients equal autograd through the full logits at the sampling temperature
+  (old policy, reference, every loss type);
+- rewards called as TRL calls them (TRL's own reward function works as it is), and every way a reward
+  function can go wrong in one line naming it and the completion; advantages as TRL computes them;
+- sampling seeded per prompt: the same completions whatever the process's random state, which it leaves alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, base_recipe, write_recipe
+from disttrain.data import IGNORE_INDEX, tokenize_record
+from disttrain.errors import DataError, DisttrainError, RecipeError
+from disttrain.objectives import rollout
+from disttrain.objectives.grpo import GRPOLoss
+from disttrain.objectives.policy_loss import policy_loss
+from disttrain.objectives.rewards import Rewards, advantages, nanstd
+from disttrain.recipe.schema import DataSection, RLSection, load_recipe
+from test_chat_families import CONVERSATIONS, FAMILIES, STYLES, family_tokenizer
+
+PROMPT_SECTION = DataSection(path="x.jsonl", format="prompt", max_seq_len=1024)
+
+
+def _prompt_of(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last user turn: what a policy is asked."""
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[:last_user + 1]
+
+
+PROMPT_CASES = [(family, conversation, style) for family, spec in FAMILIES.items() for conversation in spec["expected"]
+                for style in STYLES]
+
+
+@pytest.mark.parametrize("family, conversation, style", PROMPT_CASES)
+def test_a_chat_prompt_is_what_the_familys_template_renders_with_its_generation_prompt(family, conversation, style,
+                                                                                      tokenizer):
+    tok = family_tokenizer(tokenizer, family, style, markers=False)
+    messages = _prompt_of(CONVERSATIONS[conversation])
+    ours = tokenize_record({"prompt": messages, "answer": "42"}, tok, PROMPT_SECTION)
+    truth = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert ours["prompt_ids"] == list(truth["input_ids"])
+    assert json.loads(ours["record"]) == {"prompt": messages, "answer": "42"}  # the rest goes to the rewards
+
+
+def test_a_plain_prompt_is_its_text_and_bad_prompts_are_one_line_naming_the_record(tokenizer):
+    ours = tokenize_record({"prompt": "Sort the words alphabetically. stone green"}, tokenizer, PROMPT_SECTION)
+    assert ours["prompt_ids"] == tokenizer("Sort the words alphabetically. stone green",
+                                           add_special_tokens=False)["input_ids"]
+    cases = {"must end with the user's turn": {"prompt": [{"role": "user", "content": "a"},
+                                                          {"role": "assistant", "content": "b"}]},
+             "missing field 'prompt'": {"question": "a"},
+             "'prompt' is empty": {"prompt": ""},
+             "over data.max_seq_len=16": {"prompt": "word " * 40}}
+    for says, record in cases.items():
+        with pytest.raises(DataError, match="record 0: .*" + says.replace("(", r"\(")):
+            tokenize_record(record, tokenizer, DataSection(path="x.jsonl", format="prompt", max_seq_len=16))
+
+
+def test_the_recipe_refuses_what_grpo_cannot_take(tmp_path, tiny_model_dir):
+    reward = [{"function": "recipes/tiny/rewards.py:answer_words"}]
+    prompts = {"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt"}
+    cases = {"needs data.format: prompt": ({}, {}, {"rewards": reward}),
+             "needs rl.rewards": (prompts, {}, {}),
+             "set training.objective: grpo": (prompts, {"objective": "sft"}, {}),
+             "no held-out evaluation": ({**prompts, "eval_path": str(REPO / "data/tiny_prompts.jsonl")}, {},
+                                        {"rewards": reward}),
+             "data.packing and data.streaming": ({**prompts, "packing": True}, {}, {"rewards": reward}),
+             "rl.reference: adapters needs a lora section": (prompts, {}, {"rewards": reward, "beta": 0.1,
+                                                                           "reference": "adapters"})}
+    for says, (data, training, rl) in cases.items():
+        tree = base_recipe(tiny_model_dir, tmp_path / "run", data=data, training={"objective": "grpo", **training},
+                           rl=rl)
+        with pytest.raises(RecipeError, match=says.replace("(", r"\(")):
+            load_recipe(write_recipe(tmp_path / "r.yaml", tree))
+
+
+# ---------------------------------------------------------------------------------------- the chunked gradient
+def _rollout_batch(tokenizer, device="cpu"):
+    prompts = [tokenizer("sort: stone green", add_special_tokens=False)["input_ids"],
+               tokenizer("count: a b c d", add_special_tokens=False)["input_ids"]]
+    words = ["green stone", "green green stone stone", "4", "three"]
+    completions = [(tokenizer(w, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], False)
+                   for w in words]
+    completions[3] = (completions[3][0][:-1], True)  # truncated: no EOS
+    rows = rollout.training_rows([prompts[0], prompts[0], prompts[1], prompts[1]], completions,
+                                 tokenizer.pad_token_id, False, device)
+    rows[rollout.ADVANTAGES_KEY] = torch.tensor([0.9, -0.9, 0.7, -0.7])
+    return rows
+
+
+@pytest.mark.parametrize("case", [dict(loss="dapo"), dict(loss="grpo", beta=0.1), dict(loss="bnpo"),
+                                  dict(loss="dr_grpo", importance_sampling="sequence"),
+                                  dict(loss="cispo", epsilon_high=1.1, beta=0.05)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_chunked_loss_and_gradients_equal_autograd_through_full_logits(case, tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    cfg = RLSection(temperature=0.7, max_completion_length=8, **case)
+    batch = _rollout_batch(tokenizer)
+    mask = batch[rollout.MASK_KEY]
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(mask.shape, generator=generator) * 0.2
+    ref = torch.randn(mask.shape, generator=generator) * 0.3
+
+    def model():
+        torch.manual_seed(1)
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    plain = model()
+    logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits / cfg.temperature
+    targets = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], IGNORE_INDEX)], dim=1)
+    logps = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    logps = logps * (targets != IGNORE_INDEX)
+    old_logps, ref_logps = (logps.detach() + old) * mask, (logps.detach() + ref) * mask
+    expected, _ = policy_loss(cfg, logps, mask, batch[rollout.ADVANTAGES_KEY], old_logps,
+                              ref_logps if cfg.beta else None, cfg.max_completion_length)
+    expected.backward()
+
+    chunked = model()
+    loss = GRPOLoss(chunked, cfg, "none")
+    batch[rollout.OLD_KEY] = old_logps
+    if cfg.beta:
+        batch[rollout.REF_KEY] = ref_logps
+    got = loss.training_loss(chunked, batch, torch.tensor(1.0))
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    assert grads
+    for name, p in chunked.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the no-gradient pass (old policy, reference) gives the same log-probs, at the same temperature
+    torch.testing.assert_close(loss.token_logps(chunked, batch), logps.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- the rewards
+def _write(tmp_path, body: str) -> str:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(body)
+    return str(path)
+
+
+def _rewards(*functions) -> Rewards:
+    return Rewards(RLSection(rewards=[{"function": f} for f in functions]))
+
+
+def _score(rewards: Rewards, n=4):
+    completions = [[{"role": "assistant", "content": f"<think>x</think>answer {i}"}] for i in range(n)]
+    return rewards.score(prompts=[[{"role": "user", "content": "q"}]] * n, completions=completions,
+                         completion_ids=[[1, 2]] * n, columns={"answer": ["answer 0", "answer 9", "no", None]},
+                         where=lambda i: f"completion {i} of training row 7")
+
+
+def test_trls_own_reward_function_and_a_recipes_file_are_called_as_trl_calls_them(tmp_path):
+    path = _write(tmp_path, "def exact(completions, answer, **kwargs):\n"
+                            "    return [None if a is None else float(c[0]['content'] == a) for c, a in "
+                            "zip(completions, answer)]\n")
+    rewards = _rewards("trl.rewards:think_format_reward", f"{path}:exact")
+    table = _score(rewards)
+    assert table[:, 0].tolist() == [1.0] * 4  # <think>...</think> then the answer: TRL's format reward
+    assert table[:3, 1].tolist() == [0.0, 0.0, 0.0] and torch.isnan(table[3, 1])  # None: not scored
+    rewards.check_columns({"answer"}, "data.jsonl")
+
+
+@pytest.mark.parametrize("body, says", [
+    ("def f(completions, **kw):\n    return [1 / (int(c[0]['content'][-1]) - 2) for c in completions]\n",
+     r"rl.rewards\[0\] \(f\) raised ZeroDivisionError: division by zero on completion 2 of training row 7"),
+    ("def f(completions, **kw):\n    return ['high'] * len(completions)\n",
+     r"rl.rewards\[0\] \(f\) returned 'high' for completion 0 of training row 7: a reward is a number"),
+    ("def f(completions, **kw):\n    return [1.0]\n", r"returned 1 rewards for 4 completions"),
+    ("def f(completions, **kw):\n    return 3\n", r"returned int, not a list"),
+])
+def test_a_reward_function_going_wrong_is_one_line_naming_it_and_the_completion(tmp_path, body, says):
+    with pytest.raises(DisttrainError, match=says):
+        _score(_rewards(f"{_write(tmp_path, body)}:f"))
+
+
+def test_a_reward_function_that_cannot_be_loaded_or_needs_a_missing_column_is_one_line(tmp_path):
+    path = _write(tmp_path, "def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(DisttrainError, match=r"rl.rewards\[0\] \(f\) needs the column 'solution', which d.jsonl "
+                                             r"does not have \(its columns: answer\)"):
+        _rewards(f"{path}:f").check_columns({"answer"}, "d.jsonl")
+    for spec, says in [("nowhere.py:f", "nowhere.py is not a file"), (f"{path}:g", "has no function 'g'"),
+                       ("no_such_module_xyz:f", "importing no_such_module_xyz failed: ModuleNotFoundError"),
+                       ("just_a_name", "is not module:function")]:
+        with pytest.raises(DisttrainError, match=r"rl.rewards\[0\]: .*" + says):
+            _rewards(spec)
+
+
+def test_advantages_are_trls():
+    from trl.trainer.utils import nanstd as trl_nanstd
+
+    rewards = torch.tensor([[1.0, 0.5], [0.0, float("nan")], [0.0, 0.0], [1.0, 1.0],  # group 1
+                            [2.0, 0.0], [2.0, 0.0], [2.0, 0.0], [float("nan"), float("nan")]])  # group 2: equal
+    weights = torch.tensor([1.0, 2.0])
+    group = advantages(rewards, weights, 4, "group")[0]
+    summed = torch.tensor([2.0, 0.0, 0.0, 3.0])
+    torch.testing.assert_close(group[:4], (summed - summed.mean()) / (summed.std() + 1e-4))
+    assert group[4:].tolist() == [0.0] * 4  # no spread: no signal; the unscored completion gets 0
+    std = torch.tensor(1.7)
+    torch.testing.assert_close(advantages(rewards, weights, 4, "batch", std)[0][:4],
+                               (summed - summed.mean()) / (std + 1e-4))
+    torch.testing.assert_close(advantages(rewards, weights, 4, "none")[0][:4], summed - summed.mean())
+    values = torch.tensor([[1.0, float("nan"), 3.0, 4.0], [2.0, 2.0, 5.0, float("nan")]])
+    torch.testing.assert_close(nanstd(values, dim=1), trl_nanstd(values, dim=1))
+
+
+# ---------------------------------------------------------------------------------------------- the sampling
+def test_completions_depend_on_the_seed_only_and_leave_the_process_random_state_alone(tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    cfg = RLSection(num_generations=4, max_completion_length=6)
+    prompt = tokenizer("sort: stone green", add_special_tokens=False)["input_ids"]
+    eos = rollout.eos_ids(tokenizer, model)
+
+    def sample(seed):
+        return rollout.sample(model, cfg, prompt, seed, eos, tokenizer.pad_token_id, torch.device("cpu"), False)
+
+    torch.manual_seed(0)
+    first = sample(11)
+    state = torch.get_rng_state()
+    torch.manual_seed(123)  # another process state: the same completions
+    assert sample(11) == first
+    torch.set_rng_state(state)
+    sample(11)
+    assert torch.equal(torch.get_rng_state(), state)  # dropout's stream is untouched
+    assert sample(12) != first and len({tuple(ids) for ids, _ in first}) > 1  # sampled, not greedy
+    assert all(len(ids) <= 6 for ids, _ in first)
