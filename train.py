@@ -84,7 +84,8 @@ def main(argv=None):
     guards.at("loading the model")
     model = loading.load_model(recipe.model, recipe.lora, sharded=shards_weights(accelerator),
                                local_device=accelerator.local_process_index if has_gpu() else None,
-                               bf16=cfg.mixed_precision == "bf16", **plan.load_kwargs())
+                               bf16=cfg.mixed_precision == "bf16", **plan.load_kwargs(),
+                               **objective.model_kwargs(tokenizer))
     gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
     loss = objective.loss(model)
     optimizer = optim.build_optimizer(model, cfg)

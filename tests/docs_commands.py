@@ -15,6 +15,7 @@ A command is a line of a ```bash block (or of an unlabelled block that starts wi
 from __future__ import annotations
 
 import argparse
+import typing
 import gc
 import importlib
 import importlib.util
@@ -210,10 +211,18 @@ def _schema_key(key: str) -> str | None:
     from disttrain.recipe.schema import Recipe
 
     model: type[BaseModel] | None = Recipe
+    entries: type[BaseModel] | None = None  # the field just named is a list of these sections
     for part in key.split("."):
+        if part.isdigit() and entries is not None:  # `rl.rewards.0.model`, `data.sources.1.weight`
+            model, entries = entries, None
+            continue
         if model is None or part not in model.model_fields:
             return f"no recipe field {key}"
-        model = _section_class(model.model_fields[part].annotation)
+        annotation = model.model_fields[part].annotation
+        listed = [a for a in (typing.get_args(annotation) or ()) if typing.get_origin(a) is list] + \
+            ([annotation] if typing.get_origin(annotation) is list else [])
+        entries = _section_class(typing.get_args(listed[0])[0]) if listed else None
+        model = _section_class(annotation)
     return None
 
 

@@ -151,7 +151,7 @@ def variant(kind: str, config: str) -> tuple[str, ...]:
         loss = matrix.PREFERENCE_LOSS[config]
         return ("lora.r=8", "lora.dropout=0", f"preference.loss={loss}",
                 *(("preference.reference=none",) if loss in ("simpo", "orpo") else ()))
-    return matrix.RL_VARIANT[config] if kind == "rl" else ()
+    return {"rl": matrix.RL_VARIANT, "reward": matrix.REWARD_VARIANT}.get(kind, {}).get(config, ())
 
 
 def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,
@@ -218,6 +218,8 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
     assert sorted(s for s, k in ours if k == "loss") == list(range(1, STEPS + 1))
     if "eval_sets" in keys:
         assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
+    if "reward_model" in keys:  # trained and evaluated on pairs
+        assert any(k == "rewards/accuracy" for _, k in ours) and any(k == "eval_rewards/accuracy" for _, k in ours)
     if "grpo" in keys:  # rolled out, scored by both functions, trained on
         assert {s for s, k in ours if k == "reward"} and any(k == "rewards/answer_words/mean" for _, k in ours)
     if "scoring" in keys:

@@ -40,6 +40,7 @@ SHIPPED = {
     # online RL: rollouts under DDP (full; LoRA with the adapters-off reference), FSDP2 (the 2-node full recipe),
     # ZeRO-3 (the MoE with LoRA); the tiny one on its own model
     "tiny/grpo.yaml": "fsdp",
+    "tiny/reward.yaml": "zero3",  # a reward model: the score head under ZeRO-3
     "qwen3-1.7b/grpo_gsm8k.yaml": "ddp",
     "qwen2.5-7b/grpo_lora.yaml": "ddp",
     "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",

@@ -126,11 +126,15 @@ def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection) -> None:
     The base is reloaded as the recipe loaded it (revision, remote code, dtype): another revision or dtype
     would merge the adapter into other weights."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    base_path = peft_model.peft_config["default"].base_model_name_or_path
-    base = AutoModelForCausalLM.from_pretrained(base_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
-                                                trust_remote_code=spec.trust_remote_code,
-                                                use_safetensors=True)  # never unpickle
+    config = peft_model.peft_config["default"]
+    base_path = config.base_model_name_or_path
+    score = str(config.task_type) in ("SEQ_CLS", "TaskType.SEQ_CLS")  # a reward model: its one-label score head
+    model_class = AutoModelForSequenceClassification if score else AutoModelForCausalLM
+    head = {"num_labels": 1, "pad_token_id": peft_model.config.pad_token_id} if score else {}
+    base = model_class.from_pretrained(base_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
+                                       trust_remote_code=spec.trust_remote_code,
+                                       use_safetensors=True, **head)  # never unpickle
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(adapter_dir / "merged", safe_serialization=True)

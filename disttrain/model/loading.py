@@ -57,24 +57,29 @@ def _router_kwargs(spec: ModelSection) -> dict:
 
 
 def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None,
-               tp: int = 1, tp_data: tuple[int, int] = (1, 1), bf16: bool = False):
+               tp: int = 1, tp_data: tuple[int, int] = (1, 1), bf16: bool = False, head: str = "causal_lm",
+               pad_token_id: int | None = None):
     """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any; `tp`:
     tensor-parallel ranks, which transformers splits the weights over by the model's own plan, and `tp_data`
-    the (replicas, shards) of the FSDP2 it lays over them (`bf16`: its all-gathers in bf16, reductions in fp32)."""
-    from transformers import AutoModelForCausalLM
+    the (replicas, shards) of the FSDP2 it lays over them (`bf16`: its all-gathers in bf16, reductions in fp32).
+    `head`: causal_lm (the language model), or score (a reward model: the same body with transformers' one-label
+    sequence-classification head, new, read at each row's last token before `pad_token_id`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(
+    kwargs = {"num_labels": 1, "pad_token_id": pad_token_id} if head == "score" else {}
+    model_class = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    model = model_class.from_pretrained(
         spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
         **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec),
-        **_tensor_parallel_kwargs(tp, tp_data, bf16))
+        **_tensor_parallel_kwargs(tp, tp_data, bf16), **kwargs)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
-        model = apply_lora(model, lora, spec.gradient_checkpointing)
+        model = apply_lora(model, lora, spec.gradient_checkpointing, "SEQ_CLS" if head == "score" else "CAUSAL_LM")
     return model
 
 
@@ -91,14 +96,15 @@ def _tensor_parallel_kwargs(tp: int, tp_data: tuple[int, int], bf16: bool) -> di
                                                     fsdp_mixed_precision=bf16 and replicas * shards > 1)}
 
 
-def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool):
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool, task_type: str = "CAUSAL_LM"):
+    """peft's LoRA; task_type SEQ_CLS (a reward model) also trains the new score head in full."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=lora.target_modules, target_parameters=lora.target_parameters,
                         modules_to_save=lora.modules_to_save,
                         use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
-                        rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type="CAUSAL_LM")
+                        rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type=task_type)
     if gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
     model = get_peft_model(model, config)

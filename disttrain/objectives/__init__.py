@@ -13,6 +13,7 @@ preparation before the first update, behind one interface (base.py):
     rollout.py       completions sampled from the current policy (seeded per prompt), laid out as training rows
     rewards.py       reward functions (module:function, as TRL calls them), their checks, the advantages
     policy_loss.py   the GRPO-family losses on per-token log-probs (grpo, dr_grpo, dapo, bnpo, cispo; GSPO)
+    reward_model.py  reward-model training: a score head, Bradley-Terry on preference pairs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def objective_for(recipe):
     """The recipe's training.objective as an Objective (base.py)."""
     from disttrain.objectives.dpo import DPO
     from disttrain.objectives.grpo import GRPO
+    from disttrain.objectives.reward_model import RewardModel
     from disttrain.objectives.sft import SFT
 
-    return {"sft": SFT, "dpo": DPO, "grpo": GRPO}[recipe.training.objective](recipe)
+    return {"sft": SFT, "dpo": DPO, "grpo": GRPO, "reward": RewardModel}[recipe.training.objective](recipe)

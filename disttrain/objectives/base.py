@@ -40,6 +40,9 @@ class Loss(Protocol):
 
 
 class Objective(Protocol):
+    def model_kwargs(self, tokenizer) -> dict:
+        """How model loading builds the model for it (model/loading.load_model's head; {}: the causal LM)."""
+
     def collator(self, tokenizer):
         """Rows -> a micro-batch (padding, bookkeeping the loss needs)."""
 

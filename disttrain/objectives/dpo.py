@@ -12,6 +12,10 @@ class DPO:
     def __init__(self, recipe):
         self.recipe = recipe
 
+    def model_kwargs(self, tokenizer) -> dict:
+        """The causal LM as it is."""
+        return {}
+
     def collator(self, tokenizer) -> PairCollator:
         return PairCollator(tokenizer.pad_token_id)
 

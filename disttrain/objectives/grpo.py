@@ -40,6 +40,10 @@ class GRPO:
         self.rewards = Rewards(recipe.rl)  # imported now: a wrong module:function stops before the model loads
         self.tokenizer = self.accelerator = None
 
+    def model_kwargs(self, tokenizer) -> dict:
+        """The causal LM as it is."""
+        return {}
+
     def collator(self, tokenizer) -> PromptCollator:
         self.tokenizer = tokenizer
         return PromptCollator()

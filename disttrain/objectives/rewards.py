@@ -80,9 +80,9 @@ class Reward:
 
 
 def reward_names(rl) -> list[str]:
-    """Each reward function's name in the metrics (rewards/<name>/mean): the function's, with its index where two
-    share one."""
-    names = [spec.function.rpartition(":")[2] for spec in rl.rewards]
+    """Each reward's name in the metrics (rewards/<name>/mean): the function's (or the reward model's directory's),
+    with its index where two share one."""
+    names = [spec.label() for spec in rl.rewards]
     return [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
 
 
@@ -90,7 +90,8 @@ class Rewards:
     """The recipe's reward functions, loaded and checked against the data's columns."""
 
     def __init__(self, rl):
-        self.items = [Reward(name, load_function(spec.function, f"rl.rewards[{i}]"), spec.weight)
+        self.items = [Reward(name, load_function(spec.function, f"rl.rewards[{i}]") if spec.function else
+                             RewardModel(spec.model, f"rl.rewards[{i}]"), spec.weight)
                       for i, (name, spec) in enumerate(zip(reward_names(rl), rl.rewards))]
         self.weights = torch.tensor([r.weight for r in self.items], dtype=torch.float32)
 
@@ -155,6 +156,60 @@ def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     summed = (rewards * weights.unsqueeze(0)).nansum(dim=1)
     summed[torch.isnan(rewards).all(dim=1)] = float("nan")
     return summed
+
+
+class RewardModel:
+    """rl.rewards[].model: a sequence-classification checkpoint with one label, called as a reward function. It
+    scores what the policy saw and wrote -- a chat prompt with the completion as the assistant's turn, through the
+    reward model's own chat template (as TRL does), or the plain prompt followed by the completion -- right-padded,
+    the score read at each row's last token. Loaded on first use, whole on this rank's device, in eval mode."""
+
+    def __init__(self, path: str, where: str):
+        self.path, self.where = path, where
+        self.model = self.tokenizer = None
+
+    def _load(self):
+        from pathlib import Path
+
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+            head = {"num_labels": 1, "pad_token_id": self.tokenizer.pad_token_id}
+            if (Path(self.path) / "adapter_config.json").is_file():  # LoRA: the base with the adapter and score head
+                from peft import AutoPeftModelForSequenceClassification
+
+                self.model = AutoPeftModelForSequenceClassification.from_pretrained(self.path, **head)
+            else:
+                self.model = AutoModelForSequenceClassification.from_pretrained(self.path, use_safetensors=True)
+        except Exception as exc:
+            raise DisttrainError(f"{self.where}: {self.path} is not a loadable sequence-classification model: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        if self.model.config.num_labels != 1:
+            raise DisttrainError(f"{self.where}: {self.path} has {self.model.config.num_labels} labels; a reward model "
+                                 "has one (a scalar score)")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model.to(device).eval()
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, list):  # chat: the completion is the assistant's turn
+                messages = prompt + (completion if isinstance(completion, list) else
+                                     [{"role": "assistant", "content": completion}])
+                out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+            else:
+                out.append(prompt + (completion[0]["content"] if isinstance(completion, list) else completion))
+        return out
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        if self.model is None:
+            self._load()
+        self.tokenizer.padding_side = "right"
+        inputs = self.tokenizer(self.texts(prompts, completions), return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(self.model.device)
+        return self.model(**inputs).logits[:, 0].float().tolist()
 
 
 def advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str,

@@ -11,6 +11,10 @@ class SFT:
     def __init__(self, recipe):
         self.recipe = recipe
 
+    def model_kwargs(self, tokenizer) -> dict:
+        """The causal LM as it is."""
+        return {}
+
     def collator(self, tokenizer) -> Collator:
         flatten = flattens_packed_rows(self.recipe.model.attn_implementation)
         return Collator(tokenizer.pad_token_id, flatten_packed=flatten)

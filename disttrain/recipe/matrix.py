@@ -82,7 +82,7 @@ Cell = Proven | Refused | NeedsGpu
 # process on the same recipe: `adapters`, `full`, `preference` to the strategy matrix's tolerances;
 # `noise` (stochastic) with replicas compared every step and losses within NOISE_TOLERANCE. In the one-process
 # column the run is the reference itself: its cells say the features run there.
-RUN_KINDS = ("adapters", "full", "noise", "preference", "rl")
+RUN_KINDS = ("adapters", "full", "noise", "preference", "rl", "reward")
 NOISE_TOLERANCE = 0.05
 
 FEATURES = (
@@ -120,6 +120,9 @@ FEATURES = (
              "rl.rewards=[{function: recipes/tiny/rewards.py:letters}, "
              "{function: recipes/tiny/rewards.py:answer_words, weight: 0.5}]",
              "rl.num_generations=4", "rl.max_completion_length=8")),
+    Feature("reward_model", "reward-model training (a score head, Bradley-Terry; the variants below)",
+            ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
+             "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
     Feature("scoring", "evaluation during training (lm-eval)",
             ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
              "evaluation.limit=5")),
@@ -185,6 +188,15 @@ RL_VARIANT = {
     "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004"),
     "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05"),  # the old policy; a ZeRO-3 frozen copy
     "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8"),
+}
+# The reward-model runs: full or LoRA (the score head trained in full beside the adapters), the centring term on
+# or off, in turn.
+REWARD_VARIANT = {
+    "single_gpu": (), "ddp": ("lora.r=8", "lora.dropout=0"), "fsdp": ("reward_model.center_rewards_coefficient=0.01",),
+    "fsdp_offload": ("lora.r=8", "lora.dropout=0", "reward_model.center_rewards_coefficient=0.01"),
+    "hsdp": ("lora.r=8", "lora.dropout=0"), "zero1": ("reward_model.center_rewards_coefficient=0.01",),
+    "zero2": ("lora.r=8", "lora.dropout=0"), "zero3": ("reward_model.center_rewards_coefficient=0.01",),
+    "zero3_offload": ("lora.r=8", "lora.dropout=0"),
 }
 TP_REFUSAL = "is not supported under tensor parallelism"
 SINGLE_REFERENCE = "the one-process reference of every comparison"
@@ -283,6 +295,11 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("rl", ", ".join(RL_VARIANT[c]))),
         **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=grpo " + TP_REFUSAL)),
+    },
+    "reward_model": {
+        **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("reward", ", ".join(REWARD_VARIANT[c]) or "full")),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=reward is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=reward " + TP_REFUSAL)),
     },
     "scoring": _each(CONFIGS, lambda c: _run("adapters")),
     "samples": _each(CONFIGS, lambda c: _run("adapters")),

@@ -56,19 +56,14 @@ def model_card(run_dir: str | Path) -> str:
         datasets=[d for d in (_hub_id(s.get("path")) for s in sources) if d] or None,
         tags=["disttrain", objective, *(["lora"] if lora else []),
               *([facts["strategy"]] if "strategy" in facts else [])])
-    loader = ("from peft import AutoPeftModelForCausalLM\n\n"
-              "model = AutoPeftModelForCausalLM.from_pretrained(\"<this directory>\")  # loads the base model too"
+    kind = "SequenceClassification" if objective == "reward" else "CausalLM"  # a reward model scores
+    labels = ", num_labels=1" if objective == "reward" else ""  # the base loads with the one-label head
+    loader = (f"from peft import AutoPeftModelFor{kind}\n\n"
+              f"model = AutoPeftModelFor{kind}.from_pretrained(\"<this directory>\"{labels})  # loads the base too"
               if lora else
-              "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-              "model = AutoModelForCausalLM.from_pretrained(\"<this directory>\")")
-    results = [("steps", f"{row['step']} of {row['total_steps']}" if row["total_steps"] else row["step"]),
-               ("final train loss", row["train_loss"]), ("final eval loss", row["eval_loss"]),
-               ("tokens/s per device (median)", row["tokens_per_s_per_device"]),
-               ("MFU (median)", f"{row['mfu']:.1%}" if row["mfu"] is not None else None)]
-    if objective == "dpo":
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        evals = [r for r in records if "eval_rewards/accuracy" in r]
-        results.append(("eval reward accuracy", evals[-1]["eval_rewards/accuracy"] if evals else None))
+              f"from transformers import AutoModelFor{kind}, AutoTokenizer\n\n"
+              f"model = AutoModelFor{kind}.from_pretrained(\"<this directory>\")")
+    results = _results(run, row, objective)
     hardware = (f"{facts.get('strategy')}, {facts.get('processes')} process(es) on {facts.get('device')} "
                 f"({facts.get('device_name')}), {facts.get('mixed_precision')} precision, global batch "
                 f"{facts.get('global_batch')}") if facts else "unknown (no run.json)"
@@ -97,3 +92,21 @@ def write_model_card(run_dir: str | Path) -> Path:
     path = Path(run_dir) / "final" / CARD
     path.write_text(model_card(run_dir))
     return path
+
+
+def _results(run: Path, row: dict, objective: str) -> list[tuple[str, object]]:
+    """The card's results table: steps, losses, speed, and what the objective adds (pair accuracy, the reward)."""
+    results = [("steps", f"{row['step']} of {row['total_steps']}" if row["total_steps"] else row["step"]),
+               ("final train loss", row["train_loss"]), ("final eval loss", row["eval_loss"]),
+               ("tokens/s per device (median)", row["tokens_per_s_per_device"]),
+               ("MFU (median)", f"{row['mfu']:.1%}" if row["mfu"] is not None else None)]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (run / "metrics.jsonl").is_file() else []
+    if objective in ("dpo", "reward"):
+        evals = [r for r in records if "eval_rewards/accuracy" in r]
+        results.append(("eval reward accuracy", evals[-1]["eval_rewards/accuracy"] if evals else None))
+    if objective == "grpo":  # online RL: the reward at the first and the last log line
+        rewards = [r["reward"] for r in records if "reward" in r]
+        results.append(("reward (first -> last log line)", f"{rewards[0]:.4g} -> {rewards[-1]:.4g}" if rewards
+                        else None))
+    return results

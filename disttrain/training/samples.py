@@ -92,7 +92,7 @@ class Sampler:
 def build_sampler(accelerator, model, tokenizer, recipe, eval_sets: dict, train_set, log) -> Sampler | None:
     """logging.samples prompts from the first eval set (or the training set); None when disabled or streamed."""
     rows = next(iter(eval_sets.values()), train_set)
-    if not recipe.logging.samples or rows is None:
+    if not recipe.logging.samples or rows is None or not recipe.generates_text():
         return None
     return Sampler(accelerator, model, tokenizer, sample_prompts(rows, recipe.logging.samples),
                    recipe.logging.sample_tokens, log)

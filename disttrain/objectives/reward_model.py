@@ -1,0 +1,107 @@
+"""Reward-model training (training.objective: reward): the model with transformers' one-label
+sequence-classification head (a new linear layer reading each sequence's last token), trained on the preference
+pairs DPO reads, so that the chosen response scores above the rejected one (Bradley-Terry), as TRL's RewardTrainer
+computes it (tests/test_reward_model.py runs TRL's own compute_loss on the same model and batch):
+
+    loss per pair = -log sigmoid(r_chosen - r_rejected) [+ center_rewards_coefficient x (r_chosen + r_rejected)^2]
+
+A micro-batch holds its pairs side by side (chosen rows, then rejected: data/preference.py's collator), so `units`
+are pairs and the loop's normalisation makes the step's loss the mean over every pair on every rank. The final
+model exports as a plain sequence-classification checkpoint (or its adapter, the score head saved in full), which
+transformers' AutoModelForSequenceClassification loads and online RL uses as a reward (rl.rewards[].model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.data.preference import PAIR_INDEX, PairCollator
+
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy")
+
+
+class RewardModel:
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def model_kwargs(self, tokenizer) -> dict:
+        """The model is loaded with a score head, which reads the last token before the padding."""
+        return {"head": "score", "pad_token_id": tokenizer.pad_token_id}
+
+    def collator(self, tokenizer) -> PairCollator:
+        return PairCollator(tokenizer.pad_token_id)
+
+    def loss(self, model) -> BradleyTerryLoss:
+        return BradleyTerryLoss(self.recipe.reward_model.center_rewards_coefficient)
+
+    def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
+        """Nothing: no reference."""
+
+    def steps(self, feed):
+        return feed
+
+
+class BradleyTerryLoss:
+    """The loop's loss for training.objective: reward (objectives/base.Loss): the pair loss on the model's scores,
+    summed over the micro-batch's pairs."""
+
+    unit_name = "pairs"
+    checked = True  # no token-loss engine to check against the model's own: the score head is the model's
+
+    def __init__(self, center_coefficient: float | None = None):
+        self.center = center_coefficient
+        self._window: torch.Tensor | None = None
+
+    def check_against_model(self, accelerator, model, batch: dict) -> None:
+        """Nothing to check (see `checked`)."""
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return torch.full((), batch[PAIR_INDEX].numel(), device=batch["input_ids"].device, dtype=torch.long)
+
+    def scores(self, model, batch: dict) -> torch.Tensor:
+        """[sequences] fp32: each row's score (chosen rows first, then rejected)."""
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return out.logits[:, 0].float()
+
+    def pair_losses(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss per pair, [pairs, STATS + 1] statistics) from the scores of [chosen..., rejected...]."""
+        n = scores.shape[0] // 2
+        chosen, rejected = scores[:n], scores[n:]
+        losses = -F.logsigmoid(chosen - rejected)
+        if self.center:
+            losses = losses + self.center * (chosen + rejected) ** 2
+        stats = torch.stack([chosen, rejected, (chosen > rejected).float(), torch.ones_like(chosen)], dim=1)
+        return losses, stats.detach()
+
+    def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
+        losses, stats = self.pair_losses(self.scores(model, batch))
+        sums = stats.double().sum(0)
+        self._window = sums if self._window is None else self._window + sums
+        return losses.sum() / num_items_in_batch
+
+    def window_metrics(self, accelerator) -> dict:
+        """Means over the pairs of all ranks since the last log line (one all-reduce)."""
+        local = self._window if self._window is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
+        total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
+        self._window = None
+        pairs = max(float(total[-1]), 1.0)
+        record = {name: float(value) / pairs for name, value in zip(STATS, total[:-1])}
+        record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
+        return record
+
+    @torch.no_grad()
+    def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
+        """Per pair: (loss, 1, reward chosen, reward rejected, correct)."""
+        losses, stats = self.pair_losses(self.scores(model, batch))
+        return torch.stack([losses, torch.ones_like(losses), stats[:, 0], stats[:, 1], stats[:, 2]], dim=1)
+
+    def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        total = sum(sums.values())
+        pairs = max(float(total[1]), 1.0)
+        record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
+                  "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
+        record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
+        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
+                       if name != "eval"})
+        return record
