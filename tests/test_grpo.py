@@ -21,7 +21,7 @@ from disttrain.data import IGNORE_INDEX, tokenize_record
 from disttrain.errors import DataError, DisttrainError, RecipeError
 from disttrain.objectives import rollout
 from disttrain.objectives.grpo import GRPOLoss
-from disttrain.objectives.policy_loss import policy_loss
+from disttrain.objectives.policy_loss import entropy_bonus, policy_loss
 from disttrain.objectives.rewards import Rewards, advantages, nanstd
 from disttrain.recipe.schema import DataSection, RLSection, load_recipe
 from test_chat_families import CONVERSATIONS, FAMILIES, STYLES, family_tokenizer
@@ -96,9 +96,13 @@ def _rollout_batch(tokenizer, device="cpu"):
     return rows
 
 
+ITEMS = 3.0  # the loop's denominator in the chunked test
+
+
 @pytest.mark.parametrize("case", [dict(loss="dapo"), dict(loss="grpo", beta=0.1), dict(loss="bnpo"),
                                   dict(loss="dr_grpo", importance_sampling="sequence"),
-                                  dict(loss="cispo", epsilon_high=1.1, beta=0.05)],
+                                  dict(loss="cispo", epsilon_high=1.1, beta=0.05),
+                                  dict(loss="dapo", entropy_coef=0.3), dict(loss="grpo", entropy_coef=0.1, beta=0.1)],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_the_chunked_loss_and_gradients_equal_autograd_through_full_logits(case, tiny_model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
@@ -122,6 +126,11 @@ def test_the_chunked_loss_and_gradients_equal_autograd_through_full_logits(case,
     old_logps, ref_logps = (logps.detach() + old) * mask, (logps.detach() + ref) * mask
     expected, _ = policy_loss(cfg, logps, mask, batch[rollout.ADVANTAGES_KEY], old_logps,
                               ref_logps if cfg.beta else None, cfg.max_completion_length)
+    expected = expected / ITEMS  # the loop's denominator divides the policy loss; the entropy bonus is a mean
+    if cfg.entropy_coef:  # the entropy of the full distribution at each position, at the sampling temperature
+        log_probs = torch.log_softmax(logits.float(), -1)
+        entropies = -(log_probs.exp() * log_probs).sum(-1)
+        expected = expected + entropy_bonus(cfg, entropies, mask)
     expected.backward()
 
     chunked = model()
@@ -129,7 +138,7 @@ def test_the_chunked_loss_and_gradients_equal_autograd_through_full_logits(case,
     batch[rollout.OLD_KEY] = old_logps
     if cfg.beta:
         batch[rollout.REF_KEY] = ref_logps
-    got = loss.training_loss(chunked, batch, torch.tensor(1.0))
+    got = loss.training_loss(chunked, batch, torch.tensor(ITEMS))
     got.backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}

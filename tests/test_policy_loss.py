@@ -22,6 +22,7 @@ MAX_COMPLETION = 7
 
 class _OneProcess:
     num_processes = 1
+    sync_gradients = True
 
     @staticmethod
     def reduce(x, reduction="sum"):
@@ -42,15 +43,18 @@ def _trl_trainer(cfg: RLSection, accumulation: int):
         beta=cfg.beta, loss_type=cfg.loss, epsilon_low=cfg.epsilon, epsilon_high=epsilon_high, use_vllm=False,
         vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation, max_completion_length=MAX_COMPLETION,
-        accelerator=_OneProcess(), _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        accelerator=_OneProcess(), _entropy_bonus_enabled=bool(cfg.entropy_coef), entropy_coef=cfg.entropy_coef,
+        use_adaptive_entropy=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accumulation))
     return stub
 
 
-def _trl_loss(cfg: RLSection, logps: torch.Tensor, batch: dict, accumulation: int, items: torch.Tensor):
+def _trl_loss(cfg: RLSection, logps: torch.Tensor, batch: dict, accumulation: int, items: torch.Tensor,
+              entropies: torch.Tensor | None = None):
     stub = _trl_trainer(cfg, accumulation)
-    stub._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    entropies = torch.zeros_like(logps) if entropies is None else entropies
+    stub._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
     inputs = {"prompt_ids": torch.zeros(logps.shape[0], 0, dtype=torch.long),
               "prompt_mask": torch.zeros(logps.shape[0], 0, dtype=torch.long),
               "completion_ids": torch.zeros_like(batch["mask"], dtype=torch.long),
@@ -84,6 +88,8 @@ CASES = [dict(loss=loss) for loss in LOSSES] + [
     dict(loss="cispo", epsilon_high=1.5, beta=0.1),
     dict(loss="bnpo", beta=0.02, importance_sampling="sequence"),
     dict(loss="dr_grpo", epsilon=0.1, epsilon_high=0.3)]
+ENTROPY_CASES = [dict(loss=loss, entropy_coef=0.05) for loss in ("dapo", "grpo", "bnpo")] + [
+    dict(loss="cispo", entropy_coef=0.2, beta=0.1, epsilon_high=1.5)]
 
 
 @pytest.mark.parametrize("old", [False, True], ids=["on-policy", "old-policy"])
@@ -136,3 +142,33 @@ def test_the_clip_statistics_count_what_trl_logs():
     assert float(stats[4]) / tokens == pytest.approx(logged["clip_ratio/high_mean"][0], rel=1e-6)
     assert float(stats[5]) / tokens == pytest.approx(logged["clip_ratio/region_mean"][0], rel=1e-6)
     assert 0 < float(stats[5]) < tokens  # the case clips some tokens, not all
+
+
+@pytest.mark.parametrize("case", ENTROPY_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_entropy_bonus_equals_trls_over_an_accumulation_window(case):
+    """TRL subtracts entropy_coef x each micro-batch's mean entropy, divided by the accumulation steps; the loop adds
+    entropy_bonus per micro-batch beside the normalised policy loss and averages micro-batches the same way."""
+    from disttrain.objectives.policy_loss import entropy_bonus
+
+    cfg = RLSection(**case)
+    generator = torch.Generator().manual_seed(5)
+    window = [_micro_batch(generator, old=True, ref=bool(cfg.beta)) for _ in range(3)]
+    for batch in window:
+        batch["entropies"] = torch.rand(batch["logps"].shape, generator=generator, dtype=torch.float64) * 4
+    tokens = sum(b["mask"].sum() for b in window)
+    leaves = {side: [(b["logps"].clone().requires_grad_(), b["entropies"].clone().requires_grad_()) for b in window]
+              for side in ("ours", "theirs")}
+    theirs = sum(_trl_loss(cfg, lp, b, len(window), tokens, ent) for b, (lp, ent) in zip(window, leaves["theirs"]))
+    totals, unit_sum, bonuses = [], 0, []
+    for b, (lp, ent) in zip(window, leaves["ours"]):
+        total, _ = policy_loss(cfg, lp, b["mask"], b["advantages"], b["old"], b.get("ref"), MAX_COMPLETION)
+        totals.append(total)
+        unit_sum = unit_sum + units(cfg.loss, b["mask"])
+        bonuses.append(entropy_bonus(cfg, ent, b["mask"]))
+    ours = sum(totals) / unit_sum + sum(bonuses) / len(window)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+    ours.backward()
+    theirs.backward()
+    for (lp_o, ent_o), (lp_t, ent_t) in zip(leaves["ours"], leaves["theirs"]):
+        torch.testing.assert_close(lp_o.grad, lp_t.grad, rtol=1e-6, atol=1e-10)
+        torch.testing.assert_close(ent_o.grad, ent_t.grad, rtol=1e-6, atol=1e-10)

@@ -26,7 +26,7 @@ import torch
 from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
 from disttrain.objectives import rollout
-from disttrain.objectives.policy_loss import STATS, UNITS, policy_loss, units
+from disttrain.objectives.policy_loss import STATS, UNITS, entropy_bonus, policy_loss, units
 from disttrain.objectives.rewards import Rewards, advantages, reward_names, weighted_sum
 from disttrain.objectives.rollout import ADVANTAGES_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
@@ -216,6 +216,7 @@ class GRPOLoss:
         self.head._disttrain_transform = self.sampling
         self.window = RolloutWindow(reward_names(rl))
         self._batch: dict | None = None
+        self._num_items = 1.0  # the loop's denominator of the micro-batch being trained on
         self._reference = None
 
     @property
@@ -239,7 +240,7 @@ class GRPOLoss:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
-        self._batch = batch
+        self._batch, self._num_items = batch, num_items_in_batch
         try:
             out = self.engine.output(model, batch, self._inputs(batch))
         finally:
@@ -255,9 +256,16 @@ class GRPOLoss:
             total, stats = policy_loss(self.rl, leaf, batch[MASK_KEY], batch[ADVANTAGES_KEY], batch.get(OLD_KEY),
                                        batch.get(REF_KEY), self.rl.max_completion_length)
         (grad,) = torch.autograd.grad(total, leaf)
-        self.window.add_policy(stats, (entropies * batch[MASK_KEY]).sum())
-        surrogate = chunked_loss_sum(hidden, self.head, labels, position_weights=-grad)
-        return surrogate - surrogate.detach() + total.detach()  # the loss's value, the loss's gradient
+        mask = batch[MASK_KEY]
+        self.window.add_policy(stats, (entropies * mask).sum())
+        bonus, entropy_weights = None, None
+        if self.rl.entropy_coef:  # a mean of its own: scaled by the units the loop divides the head's output by
+            bonus = entropy_bonus(self.rl, entropies, mask) * self._num_items
+            entropy_weights = -self.rl.entropy_coef * self._num_items * mask / mask.sum().clamp(min=1.0)
+        surrogate = chunked_loss_sum(hidden, self.head, labels, position_weights=-grad,
+                                     entropy_weights=entropy_weights)
+        value = total.detach() + (bonus.detach() if bonus is not None else 0.0)
+        return surrogate - surrogate.detach() + value  # the loss's value, the loss's gradient
 
     # ---- log-probs without gradients: the old policy's, the reference's ----
 

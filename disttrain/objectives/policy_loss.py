@@ -6,6 +6,8 @@ GRPOTrainer._compute_loss computes them (tests/test_policy_loss.py runs TRL's ow
     clipped   -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A); cispo: -min(ratio, epsilon_high)
               (detached) * A * log p
     KL        beta * (exp(ref - log p) - (ref - log p) - 1) added per token (the k3 estimator)
+    entropy   minus entropy_coef x the micro-batch's mean entropy at the completion tokens (entropy_bonus: a
+              per-micro-batch mean, as TRL's; the loop averages it over the micro-batches and ranks)
 
 How the token losses are aggregated is the loss's own, and it fixes what the loop normalises by (its `units`):
 the loop divides the summed loss of every micro-batch on every rank by the units summed the same way, so the
@@ -71,6 +73,13 @@ def policy_loss(cfg, logps: torch.Tensor, mask: torch.Tensor, advantages: torch.
     else:  # dapo, cispo
         total = masked.sum()
     return total, _stats(cfg, ratio.detach(), advantages, mask, kl, epsilon_high)
+
+
+def entropy_bonus(cfg, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-entropy_coef x the micro-batch's mean entropy over the tokens trained on (0-dim; not normalised by the
+    loop's units: it is a mean already, averaged over micro-batches and ranks as the accumulation averages)."""
+    mask = mask.to(entropies.dtype)
+    return -cfg.entropy_coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _stats(cfg, ratio, advantages, mask, kl, epsilon_high) -> torch.Tensor:

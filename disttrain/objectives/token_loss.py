@@ -154,7 +154,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     logits are kept and none are recomputed. The output is a sum, so that scale is one number."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, compute_dtype, token_weights=None, transform=None):
+    def forward(ctx, hidden, weight, bias, targets, compute_dtype, token_weights=None, transform=None,
+                entropy_weights=None):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -169,15 +170,25 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             rows = torch.arange(logits.shape[0], device=logits.device)
             losses = lse - logits[rows, targets[chunk]]
             total += (losses * token_weights[chunk]).sum() if token_weights is not None else losses.sum()
+            entropy_grad = None
+            if entropy_weights is not None:  # + sum_t e_t H_t; dH/dz = -p (log p + H)
+                log_probs = logits - lse[:, None]
+                probs = log_probs.exp()
+                entropy = -(probs * log_probs).sum(-1)
+                total += (entropy * entropy_weights[chunk]).sum()
+                entropy_grad = probs.mul_(log_probs.add_(entropy[:, None])).mul_(-entropy_weights[chunk, None])
+                del log_probs
             if not (want_hidden or want_weight or want_bias):
                 continue
             slope = transform.derivative(logits) if transform is not None else 1.0  # before the in-place softmax
             grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad_logits[rows, targets[chunk]] -= 1.0
-            if not isinstance(slope, float) or slope != 1.0:
-                grad_logits.mul_(slope)  # through the scale / softcap back to lm_head's raw output
             if token_weights is not None:
                 grad_logits.mul_(token_weights[chunk, None])
+            if entropy_grad is not None:
+                grad_logits.add_(entropy_grad)
+            if not isinstance(slope, float) or slope != 1.0:
+                grad_logits.mul_(slope)  # through the scale / softcap back to lm_head's raw output
             if want_hidden:
                 grad_hidden[chunk] = (grad_logits.to(compute_dtype) @ cast).to(hidden.dtype)
             if want_weight:
@@ -195,7 +206,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_total):
         grads = tuple(_scaled(g, grad_total, dtype) if g is not None else None
                       for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _stored(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -218,12 +229,14 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tor
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                      row_weights: torch.Tensor | None = None, shifted: bool = False,
-                     position_weights: torch.Tensor | None = None) -> torch.Tensor:
+                     position_weights: torch.Tensor | None = None,
+                     entropy_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over target tokens of the cross-entropy of predicting labels[:, t + 1] at position t (labels[:, t]
     when `shifted`), from the final hidden states, without full-vocabulary logits (0-dim, fp32,
     differentiable). `row_weights`: each row's tokens weighted by its value (a sequence-level objective's
     gradient, see preference.py); `position_weights`: [batch, seq] a weight per predicting position, as
-    chunked_token_losses lays its losses out (a token-level objective's gradient, see grpo.py)."""
+    chunked_token_losses lays its losses out (a token-level objective's gradient, see grpo.py); `entropy_weights`:
+    [batch, seq] likewise, adding sum_t e_t x the entropy of the distribution predicted at t (an entropy bonus)."""
     targets = _targets(labels, shifted)
     positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     compute_dtype = _compute_dtype(hidden, head)
@@ -232,11 +245,13 @@ def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.
         token_weights = row_weights.float().repeat_interleave(labels.shape[1]).index_select(0, positions)
     if position_weights is not None:
         token_weights = position_weights.float().reshape(-1).index_select(0, positions)
+    if entropy_weights is not None:
+        entropy_weights = entropy_weights.float().reshape(-1).index_select(0, positions)
     with torch.autocast(hidden.device.type, enabled=False):  # the Function picks its matmul dtype itself
         return _ChunkedCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions),
                                              _whole(head.weight), _whole(head.bias),
                                              targets.index_select(0, positions),
-                                             compute_dtype, token_weights, _transform_of(head))
+                                             compute_dtype, token_weights, _transform_of(head), entropy_weights)
 
 
 def _transform_of(head) -> LogitTransform | None:

@@ -182,9 +182,9 @@ RL_VARIANT = {
     "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
     "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0"),  # KL to the adapters-off reference
     "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
-    "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0"),
+    "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0", "rl.entropy_coef=0.05"),
     "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true"),
-    "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch"),
+    "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05"),
     "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004"),
     "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05"),  # the old policy; a ZeRO-3 frozen copy
     "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8"),

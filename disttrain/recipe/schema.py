@@ -281,6 +281,8 @@ class RLSection(_Section):
         "std of the step's rewards on all ranks (batch) or not divided (none, Dr. GRPO)")
     mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length (no EOS) "
                                              "are left out of the loss")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: minus this x the mean entropy of the "
+                                "policy at the completion tokens of each micro-batch (as TRL's entropy_coef)")
     rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions and their "
                                          "weights: [{function: module:function, weight: 1.0}, ...]")
 
