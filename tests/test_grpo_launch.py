@@ -2,8 +2,8 @@
 
 - the shipped tiny recipe's reward rises under DDP (the last fifth of its logged steps against the first);
 - a run resumed from a checkpoint repeats the uninterrupted run's steps exactly (rewards, losses, KL, weights):
-  between two prompt batches, and between two iterations on the same completions (rl.num_iterations: 2, the
-  completions travel in the checkpoint);
+  between two prompt batches (DDP, ZeRO-3), and between two iterations on the same completions (FSDP2 with
+  rl.num_iterations: 2, the completions travel in the checkpoint);
 - a reward function needing a column the data lacks stops before the model loads, and one that raises stops at
   the completion it raised on: one line each, no traceback, exit code 2.
 """
@@ -50,7 +50,7 @@ def _compared(out, from_step=1):
             r["step"] >= from_step}
 
 
-@pytest.mark.parametrize("strategy, iterations", [("ddp", 1), ("fsdp", 2)])
+@pytest.mark.parametrize("strategy, iterations", [("ddp", 1), ("fsdp", 2), ("zero3", 1)])
 def test_a_resumed_run_repeats_the_uninterrupted_one(strategy, iterations, tmp_path, tiny_model_dir):
     rl = {"num_iterations": iterations, "beta": 0.05, "loss": "dapo"}
     steps = 6 if iterations == 1 else 3  # batches of prompts: 6 optimizer steps either way

@@ -16,6 +16,7 @@ The reference of the KL term (rl.beta > 0): LoRA -> the same model with its adap
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ from disttrain.objectives.policy_loss import STATS, UNITS, entropy_bonus, policy
 from disttrain.objectives.rewards import Rewards, advantages, reward_names, weighted_sum
 from disttrain.objectives.rollout import ADVANTAGES_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
+from disttrain.runtime.backends import generating
 
 SAMPLES_LOGGED = 2  # completions of a step's first prompt kept for the metrics line (with their rewards)
 
@@ -127,12 +129,14 @@ class Rollouts:
         tokenizer, rl = self.objective.tokenizer, self.rl
         started = time.perf_counter()
         sampled = []
-        with rollout_context(accelerator, model) as module:
+        with contextlib.ExitStack() as stack:  # the bare model in eval mode, under the run's autocast
+            module = stack.enter_context(generating(accelerator, model))
+            stack.enter_context(accelerator.autocast())
             eos = rollout.eos_ids(tokenizer, module)
             synced = accelerator.num_processes > 1
             for prompts in prompt_batches:
-                seed = run.recipe.training.seed
-                seeds = [rollout.completion_seed(seed, batch, int(i)) for i in prompts[PROMPT_INDEX]]
+                seeds = [rollout.completion_seed(run.recipe.training.seed, batch, int(i))
+                         for i in prompts[PROMPT_INDEX]]
                 sampled.append([rollout.sample(module, rl, ids, seed, eos, tokenizer.pad_token_id, accelerator.device,
                                                synced) for ids, seed in zip(prompts["prompt_ids"], seeds)])
         generated = time.perf_counter()
@@ -170,28 +174,6 @@ class Rollouts:
             completion_ids=[ids for g in completions for ids, _ in g], columns=columns,
             where=lambda i: f"completion {i % group} of training row {rows[i]} (prompt batch {batch})")
         return table, weighted_sum(table, self.objective.rewards.weights)
-
-
-def rollout_context(accelerator, model):
-    from disttrain.runtime.backends import generating
-
-    return _Chain(generating(accelerator, model), accelerator.autocast())
-
-
-class _Chain:
-    """Two context managers as one (the first's value is the chain's)."""
-
-    def __init__(self, outer, inner):
-        self.outer, self.inner = outer, inner
-
-    def __enter__(self):
-        value = self.outer.__enter__()
-        self.inner.__enter__()
-        return value
-
-    def __exit__(self, *exc):
-        self.inner.__exit__(*exc)
-        return self.outer.__exit__(*exc)
 
 
 def _batch_std(accelerator, summed: torch.Tensor, plan) -> torch.Tensor:
