@@ -25,6 +25,7 @@ from disttrain.objectives.policy_loss import entropy_bonus, policy_loss
 from disttrain.objectives.rewards import Rewards, advantages, nanstd
 from disttrain.recipe.schema import DataSection, RLSection, load_recipe
 from test_chat_families import CONVERSATIONS, FAMILIES, STYLES, family_tokenizer
+from test_template_corpus import COMMUNITY, VARIANTS, _pair, _respaced
 
 PROMPT_SECTION = DataSection(path="x.jsonl", format="prompt", max_seq_len=1024)
 
@@ -48,6 +49,32 @@ def test_a_chat_prompt_is_what_the_familys_template_renders_with_its_generation_
     truth = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
     assert ours["prompt_ids"] == list(truth["input_ids"])
     assert json.loads(ours["record"]) == {"prompt": messages, "answer": "42"}  # the rest goes to the rewards
+
+
+WRITTEN_AS = [("community", name, "as published") for name in COMMUNITY] + \
+    [("community", name, variant) for name in COMMUNITY for variant in ("blank_lines", "crlf")] + \
+    [("family", family, variant) for family in FAMILIES for variant in ("blank_lines", "indented_lines")]
+
+
+@pytest.mark.parametrize("source, name, variant", WRITTEN_AS)
+def test_prompts_of_templates_written_without_whitespace_control_are_the_templates_own(source, name, variant,
+                                                                                      tokenizer):
+    """Community templates as published and respaced, family templates without Jinja whitespace control: the
+    prompt the policy continues is exactly transformers' rendering with the generation prompt."""
+    spec = COMMUNITY[name] if source == "community" else FAMILIES[name]
+    template = spec["template"].replace("<WS>", "")
+    if variant != "as published":
+        template = _respaced(template, **VARIANTS[variant])
+    tok, _ = _pair(tokenizer, spec, template)
+    for conversation in ("short", "system"):
+        messages = _prompt_of(CONVERSATIONS[conversation])
+        try:
+            truth = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        except Exception:  # the template refuses this conversation (a system turn): so must we, in one line
+            with pytest.raises(DataError, match="record 0: the chat template refused"):
+                tokenize_record({"prompt": messages}, tok, PROMPT_SECTION)
+            continue
+        assert tokenize_record({"prompt": messages}, tok, PROMPT_SECTION)["prompt_ids"] == list(truth["input_ids"])
 
 
 def test_a_plain_prompt_is_its_text_and_bad_prompts_are_one_line_naming_the_record(tokenizer):

@@ -36,7 +36,12 @@ def tokenize_prompts(prompts: list[Prompt], records: list[dict], tokenizer, max_
                      where) -> dict:
     """Rendered prompts -> PROMPT_COLUMNS, all texts through one fast-tokenizer call; `field`: the record's prompt
     column (the rest of the record is kept for the rewards); `where(i)` names record i in an error."""
-    rendered = [prompt_text(p, tokenizer) for p in prompts]
+    rendered = []
+    for i, prompt in enumerate(prompts):
+        try:
+            rendered.append(prompt_text(prompt, tokenizer))
+        except DataError as exc:  # the template's own refusal, named with its record
+            raise DataError(f"{where(i)}: {exc}") from None
     _check_fast(tokenizer)
     encodings = tokenizer([text for text, _ in rendered], add_special_tokens=False)["input_ids"]
     ids = [prefix + list(tokens) for (_, prefix), tokens in zip(rendered, encodings)]

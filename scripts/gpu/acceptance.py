@@ -73,10 +73,11 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
 (imports, CUDA init, model load); DeepSpeed ~15-20 s. Per item (Item.estimate_s below):
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 28, _fsdp 30, _zero2 38, _zero3 40, streaming_resume 28 (2 launches each); lora_ddp 15,
-    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, moe_lora 25, packing_sdpa 35,
-    packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  395 s in all; 3 side by side: ~130-155 s
+    lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, reward_model 20, moe_lora 25,
+    packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  455 s in all; 3 side by side:
+    ~150-175 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 80 (8 launches)  ~200 s
-    total ~6.8 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
+    total ~7.1 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~8 min, so the last items may be SKIPped for the budget.
 CPU dry run here (2 cores): the test's subset, measured below (tests/test_gpu_acceptance.py).
 """
@@ -113,7 +114,7 @@ from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
 from items.moe import moe_lora  # noqa: E402
 from items.packing import packing  # noqa: E402
-from items.rl import grpo  # noqa: E402
+from items.rl import grpo, reward_model  # noqa: E402
 from kit_install import install_wheels, wheels_line  # noqa: E402
 
 GPU_FIGURES = REPO / "scripts/bench/gpu_figures.py"
@@ -153,6 +154,7 @@ ITEMS = [
     Item("adamw_8bit", adamw_8bit, 15, 60, False),
     Item("dpo", dpo, 50, 150, True),
     Item("grpo", grpo, 40, 150, True),
+    Item("reward_model", reward_model, 20, 90, True),
     Item("eval_during_training", eval_during_training, 30, 120, True),
     Item("moe_lora", moe_lora, 25, 90, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),

@@ -1,5 +1,5 @@
-"""The online-RL item: GRPO on one GPU in bf16, rollouts sampled by transformers' generate from the policy being
-trained (the KV cache on the GPU), scored by the tiny recipe's reward functions."""
+"""The online-RL items: GRPO on one GPU in bf16, rollouts sampled by transformers' generate from the policy being
+trained (the KV cache on the GPU), scored by the tiny recipe's reward functions; a reward model trained in bf16."""
 
 from __future__ import annotations
 
@@ -40,3 +40,31 @@ def grpo(ctx: Ctx) -> tuple[str, str]:
                        rollout_s_over_step_s=rollout_share, peak_mem_gb=peak)
     return PASS, (f"{steps} steps, reward {first:.3f} -> {last:.3f}; rollouts {throughput:.0f} tokens/s (median), "
                   f"peak {peak:.2f} GB")
+
+
+def reward_model(ctx: Ctx) -> tuple[str, str]:
+    """A reward model on the GPU in bf16: the one-label score head trained on the tiny DPO pairs (Bradley-Terry),
+    finite losses, the eval pair accuracy recorded and above chance, the export loadable by transformers."""
+    from disttrain.runtime.launcher import REPO
+
+    run = ctx.item_dir / "run"
+    steps = ctx.s.steps * STEPS_PER_SETTING_STEP
+    tree = recipe(ctx, run, data={"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference", "packing": False,
+                                  "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": 64},
+                  training={"objective": "reward", "max_steps": steps, "micro_batch_size": 8, "grad_accum": 1,
+                            "lr": 3e-3, "eval_every": steps},
+                  reward_model={"center_rewards_coefficient": 0.01})
+    _, log = train(ctx, "run", "single_gpu", tree)
+    require_finite_losses(run, steps, log)
+    evals = [r for r in read_metrics(run) if "eval_rewards/accuracy" in r]
+    if not evals or not evals[-1]["eval_rewards/accuracy"] > 0.5:
+        raise Fail(f"eval pair accuracy {evals[-1]['eval_rewards/accuracy'] if evals else 'missing'}: not above "
+                   "chance", log)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(run / "final")
+    if model.config.num_labels != 1:
+        raise Fail(f"the export has {model.config.num_labels} labels, not one score", log)
+    accuracy = evals[-1]["eval_rewards/accuracy"]
+    ctx.figures.update(eval_pair_accuracy=accuracy)
+    return PASS, f"{steps} steps, eval pair accuracy {accuracy:.2f}; the export loads with one label"
