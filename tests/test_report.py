@@ -60,6 +60,32 @@ def test_model_card_and_plots_of_a_run(tmp_path, lora):
     assert "1000 examples -> 990 rows" in text and "lr: 2.0e-05" in text  # the recipe itself
 
 
+def test_the_card_and_plots_of_online_rl_and_reward_model_runs(tmp_path):
+    """A GRPO run's card gives the reward at its first and last log line and its plots the reward, completion
+    lengths, KL and entropy; a reward model's card loads it as a sequence classifier (a LoRA one with one label)."""
+    from huggingface_hub import ModelCard
+
+    grpo = fake_run(tmp_path / "grpo")
+    recipe = yaml.safe_load((grpo / "recipe.yaml").read_text())
+    recipe["training"]["objective"] = "grpo"
+    (grpo / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    with (grpo / "metrics.jsonl").open("a") as f:
+        for s, reward in ((5, 0.1), (10, 0.25), (20, 0.4)):
+            line = {"step": s, "loss": 0.0, "reward": reward, "reward_std": 0.2, "kl": 0.01 * s, "entropy": 2.0,
+                    "completions/mean_length": 30.0, "completions/max_length": 64.0}
+            f.write(json.dumps(line) + "\n")
+    written = {p.name for p in write_report(grpo)}
+    assert {"rl_reward.png", "rl_completions.png", "rl_kl_entropy.png"} <= written
+    assert "| reward (first -> last log line) | 0.1 -> 0.4 |" in ModelCard.load(grpo / "final" / "README.md").text
+    scorer = fake_run(tmp_path / "reward", lora=True)
+    recipe = yaml.safe_load((scorer / "recipe.yaml").read_text())
+    recipe["training"]["objective"] = "reward"
+    (scorer / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_report(scorer)
+    text = ModelCard.load(scorer / "final" / "README.md").text
+    assert 'AutoPeftModelForSequenceClassification.from_pretrained("<this directory>", num_labels=1)' in text
+
+
 def test_report_table_compares_runs_and_in_progress_runs_get_plots(tmp_path, capsys):
     from disttrain.report.__main__ import main
 

@@ -17,6 +17,10 @@ PANELS = (
     ("rewards", "preference rewards", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"),
                                        ("rewards/margin", "margin"))),
     ("reward_accuracy", "reward accuracy", (("rewards/accuracy", "train"), ("eval_rewards/accuracy", "eval"))),
+    ("rl_reward", "online RL reward", (("reward", "mean"), ("reward_std", "std"))),
+    ("rl_completions", "completion length (tokens)", (("completions/mean_length", "mean"),
+                                                      ("completions/max_length", "max"))),
+    ("rl_kl_entropy", "KL to the reference, entropy", (("kl", "KL"), ("entropy", "entropy"))),
 )
 
 
