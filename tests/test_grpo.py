@@ -270,3 +270,44 @@ def test_completions_depend_on_the_seed_only_and_leave_the_process_random_state_
     assert torch.equal(torch.get_rng_state(), state)  # dropout's stream is untouched
     assert sample(12) != first and len({tuple(ids) for ids, _ in first}) > 1  # sampled, not greedy
     assert all(len(ids) <= 6 for ids, _ in first)
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2", "qwen3_moe"])
+def test_the_families_transforms_and_router_loss_are_in_the_rl_loss_at_the_sampling_temperature(family):
+    """Logit scaling (Granite, Cohere), softcapping (Gemma 2) and the MoE router loss (Qwen3-MoE), with the sampling
+    temperature on top and the entropy bonus: the chunked GRPO loss and gradients equal autograd through the model's
+    own logits (which apply the family's transform) divided by the temperature, plus its router loss."""
+    from test_loss_families import tiny
+
+    cfg = RLSection(temperature=0.7, max_completion_length=8, loss="dapo", entropy_coef=0.1, beta=0.05)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 5, 7, 7)]
+    completions = [(torch.randint(1, 128, (n,), generator=g).tolist(), False) for n in (4, 6, 3, 8)]
+    batch = rollout.training_rows(prompts, completions, 0, False, "cpu")
+    batch[rollout.ADVANTAGES_KEY] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = batch[rollout.MASK_KEY]
+    ref = torch.randn(mask.shape, generator=g) * 0.3
+
+    plain = tiny(family)
+    out = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    targets = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], IGNORE_INDEX)], dim=1)
+    log_probs = torch.log_softmax(out.logits.float() / cfg.temperature, -1)
+    logps = log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets != IGNORE_INDEX)
+    ref_logps = (logps.detach() + ref) * mask
+    expected, _ = policy_loss(cfg, logps, mask, batch[rollout.ADVANTAGES_KEY], None, ref_logps, 8)
+    expected = expected / ITEMS + entropy_bonus(cfg, -(log_probs.exp() * log_probs).sum(-1), mask)
+    if getattr(out, "aux_loss", None) is not None:
+        expected = expected + plain.config.router_aux_loss_coef * out.aux_loss
+    expected.backward()
+
+    chunked = tiny(family)
+    loss = GRPOLoss(chunked, cfg, "none")
+    batch[rollout.REF_KEY] = ref_logps
+    got = loss.training_loss(chunked, batch, torch.tensor(ITEMS))
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, p in chunked.named_parameters():
+        if p.grad is not None or grads[name].grad is not None:  # to 1e-6 of the tensor's largest entry (fp32
+            scale = float(grads[name].grad.abs().max())         # sums of the x40 head's large logits)
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
