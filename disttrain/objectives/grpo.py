@@ -302,7 +302,8 @@ class RolloutWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.sums = torch.zeros(len(ROLLOUT_SUMS) + 3 * self.functions + len(STATS) + 1, dtype=torch.float64)
+        self.sums = torch.zeros(len(ROLLOUT_SUMS) + 3 * self.functions, dtype=torch.float64)  # host: the rollouts'
+        self.policy: torch.Tensor | None = None  # the loss's STATS + entropy sum, left on the device until a line
         # the longest completion, minus the shortest, and this rank's rollout and scoring seconds (the slowest
         # rank's are reported)
         self.maxima = torch.tensor([float("-inf"), float("-inf"), 0.0, 0.0], dtype=torch.float64)
@@ -318,8 +319,7 @@ class RolloutWindow:
         scored = ~torch.isnan(table)
         per_function = torch.cat([table.double().nan_to_num(0.0).sum(0), (table.double().nan_to_num(0.0) ** 2).sum(0),
                                   scored.sum(0).double()])
-        self.sums[:len(ROLLOUT_SUMS) + 3 * self.functions] += torch.cat([torch.tensor(values, dtype=torch.float64),
-                                                                         per_function])
+        self.sums += torch.cat([torch.tensor(values, dtype=torch.float64), per_function])
         self.maxima[:2] = torch.maximum(self.maxima[:2], torch.stack([lengths.max(), -lengths.min()]))
 
     def add_times(self, rollout_s: float, score_s: float) -> None:
@@ -327,8 +327,9 @@ class RolloutWindow:
         self.steps += 1
 
     def add_policy(self, stats: torch.Tensor, entropy_sum: torch.Tensor) -> None:
-        start = len(ROLLOUT_SUMS) + 3 * self.functions
-        self.sums[start:] += torch.cat([stats.detach().cpu(), entropy_sum.detach().double().cpu().reshape(1)])
+        """Every micro-batch: summed on its device (a copy to the host would wait for the step's kernels)."""
+        values = torch.cat([stats.detach(), entropy_sum.detach().double().reshape(1)])
+        self.policy = values if self.policy is None else self.policy + values
 
     def keep_samples(self, tokenizer, prompts: dict, completions: list[list[tuple]], summed: torch.Tensor) -> None:
         prompt = tokenizer.decode(prompts["prompt_ids"][0])
@@ -338,7 +339,8 @@ class RolloutWindow:
     def metrics(self, accelerator) -> dict:
         """Means over every rank's completions (and tokens) since the last log line."""
         device = accelerator.device
-        sums = accelerator.reduce(self.sums.to(device), reduction="sum").cpu()
+        policy = self.policy if self.policy is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
+        sums = accelerator.reduce(torch.cat([self.sums.to(device), policy.to(device)]), reduction="sum").cpu()
         maxima = accelerator.reduce(self.maxima.to(device), reduction="max").cpu() if accelerator.num_processes > 1 \
             else self.maxima
         f = self.functions

@@ -187,12 +187,7 @@ class PreferenceLoss:
 
     def window_metrics(self, accelerator) -> dict:
         """Means over the pairs of all ranks since the last log line (one all-reduce)."""
-        local = self._window if self._window is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
-        total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
-        self._window = None
-        pairs = max(float(total[-1]), 1.0)
-        record = {name: float(value) / pairs for name, value in zip(STATS, total[:-1])}
-        record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
+        record, self._window = pair_means(accelerator, self._window, STATS), None
         return record
 
     # ---- evaluation ----
@@ -205,19 +200,42 @@ class PreferenceLoss:
         finally:
             self.split = "train"
         logps = self._sequence_logps(model, batch)
-        losses, stats = self._losses_from_logps(logps, batch["labels"])
-        ones = torch.ones_like(losses)
-        return torch.stack([losses, ones, stats[:, 0], stats[:, 1], stats[:, 2]], dim=1)
+        return pair_eval_rows(*self._losses_from_logps(logps, batch["labels"]))
 
     def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        total = sum(sums.values())
-        pairs = max(float(total[1]), 1.0)
-        record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
-                  "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
-        record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
-        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
-                       if name != "eval"})
-        return record
+        return pair_eval_record(sums)
+
+
+# ---- what every pair objective (DPO's family, reward models) logs ----
+
+def pair_means(accelerator, window: torch.Tensor | None, names: tuple[str, ...]) -> dict[str, float]:
+    """Means over the pairs of all ranks of a window of sums [names..., pair count] (one all-reduce), with
+    rewards/margin = rewards/chosen - rewards/rejected."""
+    local = window if window is not None else torch.zeros(len(names) + 1, dtype=torch.float64)
+    total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
+    pairs = max(float(total[-1]), 1.0)
+    record = {name: float(value) / pairs for name, value in zip(names, total[:-1])}
+    record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
+    return record
+
+
+def pair_eval_rows(losses: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """Per pair: (loss, 1, reward chosen, reward rejected, correct), from the losses and the stats whose first
+    columns are (reward chosen, reward rejected, correct)."""
+    return torch.stack([losses, torch.ones_like(losses), stats[:, 0], stats[:, 1], stats[:, 2]], dim=1)
+
+
+def pair_eval_record(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """eval_loss and eval_rewards/* over every eval set's summed pair_eval_rows; eval_loss/<set> per set of a
+    mixture."""
+    total = sum(sums.values())
+    pairs = max(float(total[1]), 1.0)
+    record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
+              "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
+    record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
+    record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
+                   if name != "eval"})
+    return record
 
 
 # ---- precomputed reference log-probs ----

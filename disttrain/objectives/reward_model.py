@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.data.preference import PAIR_INDEX, PairCollator
+from disttrain.objectives.preference import pair_eval_record, pair_eval_rows, pair_means
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy")
 
@@ -82,26 +83,13 @@ class BradleyTerryLoss:
 
     def window_metrics(self, accelerator) -> dict:
         """Means over the pairs of all ranks since the last log line (one all-reduce)."""
-        local = self._window if self._window is not None else torch.zeros(len(STATS) + 1, dtype=torch.float64)
-        total = accelerator.reduce(local.to(accelerator.device), reduction="sum")
-        self._window = None
-        pairs = max(float(total[-1]), 1.0)
-        record = {name: float(value) / pairs for name, value in zip(STATS, total[:-1])}
-        record["rewards/margin"] = record["rewards/chosen"] - record["rewards/rejected"]
+        record, self._window = pair_means(accelerator, self._window, STATS), None
         return record
 
     @torch.no_grad()
     def eval_rows(self, model, batch: dict, split: str = "eval") -> torch.Tensor:
         """Per pair: (loss, 1, reward chosen, reward rejected, correct)."""
-        losses, stats = self.pair_losses(self.scores(model, batch))
-        return torch.stack([losses, torch.ones_like(losses), stats[:, 0], stats[:, 1], stats[:, 2]], dim=1)
+        return pair_eval_rows(*self.pair_losses(self.scores(model, batch)))
 
     def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        total = sum(sums.values())
-        pairs = max(float(total[1]), 1.0)
-        record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
-                  "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
-        record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
-        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
-                       if name != "eval"})
-        return record
+        return pair_eval_record(sums)

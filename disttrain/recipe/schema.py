@@ -474,12 +474,7 @@ class Recipe(_Section):
             self._check_reward_model(pairs)
         if objective != "dpo":
             return
-        if not all(pairs):
-            raise ValueError("training.objective: dpo needs data.format: preference ({prompt, chosen, rejected} "
-                             "records) for every source")
-        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
-            raise ValueError("training.objective: dpo keeps each pair's chosen and rejected side by side in one "
-                             "micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+        self._check_pairs(pairs)
         if self.training.loss_impl != "chunked":
             raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
                              f"training.loss_impl: {self.training.loss_impl}")
@@ -519,13 +514,18 @@ class Recipe(_Section):
             raise ValueError("rl.reference: model with LoRA would hold a second copy of the base model; use auto "
                              "(the base model with the adapters disabled is the reference)")
 
-    def _check_reward_model(self, pairs: list[bool]) -> None:
+    def _check_pairs(self, pairs: list[bool]) -> None:
+        """What the pair objectives (dpo, reward) need of their data: pairs, chosen and rejected side by side."""
+        objective = self.training.objective
         if not all(pairs):
-            raise ValueError("training.objective: reward needs data.format: preference ({prompt, chosen, rejected} "
-                             "records) for every source")
+            raise ValueError(f"training.objective: {objective} needs data.format: preference ({{prompt, chosen, "
+                             "rejected} records) for every source")
         if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
-            raise ValueError("training.objective: reward keeps each pair's chosen and rejected side by side in one "
-                             "micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+            raise ValueError(f"training.objective: {objective} keeps each pair's chosen and rejected side by side in "
+                             "one micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+
+    def _check_reward_model(self, pairs: list[bool]) -> None:
+        self._check_pairs(pairs)
         if self.training.loss_impl != "chunked":
             raise ValueError(f"training.loss_impl: {self.training.loss_impl} does not apply to training.objective: "
                              "reward (its head is one score, not the vocabulary): remove it")
