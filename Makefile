@@ -38,6 +38,7 @@ RUN         ?=
 TASKS       ?= disttrain_tiny_choice
 PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
+TINY_VLM    := artifacts/tiny-gemma3-vl
 
 RDZV_TIMEOUT ?= 600
 # On SIGTERM (preemption, scancel, Ctrl-C) the launcher's torchrun agent forwards the signal and SIGKILLs the
@@ -125,10 +126,13 @@ $(INSTALLED): pyproject.toml
 		> $(VENV)/install-args.mk
 	echo '$(INSTALL_ARGS)' > $@
 
-tiny: setup $(TINY_MODEL)/config.json ## build the tiny local model + tokenizer used by the default recipe and tests
+tiny: setup $(TINY_MODEL)/config.json $(TINY_VLM)/config.json ## build the tiny local models (text; vision-language: recipes/tiny/vlm_sft.yaml)
 
 $(TINY_MODEL)/config.json:
 	$(PY) -m disttrain.tools.tiny model --out $(TINY_MODEL)
+
+$(TINY_VLM)/config.json:
+	$(PY) -m disttrain.tools.tiny vlm --out $(TINY_VLM)
 
 train: tiny ## train RECIPE on 1 process (GPU if present, else CPU): the embedded default
 	$(ACCELERATE) launch --config_file accelerate_configs/single_gpu.yaml train.py --recipe $(RECIPE) $(ARGS)

@@ -50,7 +50,7 @@ def main(argv=None):
     from disttrain.parallel import checks
     from disttrain.parallel.plan import ParallelPlan
     from disttrain.report import run_files
-    from disttrain.runtime.backends import build_accelerator, gather_moe_blocks_whole, has_gpu, shards_weights
+    from disttrain.runtime.backends import build_accelerator, deepspeed_model_settings, has_gpu, shards_weights
     from disttrain.training import checkpoint, handover, hooks, loop, optim
     from disttrain.training.samples import build_sampler
 
@@ -69,7 +69,7 @@ def main(argv=None):
 
     # 3. Tokenizer and data: tokenised once on the main process, read from the cache by the others.
     guards.at("tokenising on the main process first (the other ranks wait for it)")
-    tokenizer = loading.load_tokenizer(recipe.model)
+    tokenizer = loading.load_tokenizer(recipe.model, recipe.data)  # a vision-language model's: with its processor
     train_set, eval_sets, reports = data.build_datasets(recipe.data, tokenizer, cfg.seed,
                                                         accelerator.main_process_first)
     run_files.report_data(accelerator, reports, recipe.output.dir)
@@ -86,7 +86,7 @@ def main(argv=None):
                                local_device=accelerator.local_process_index if has_gpu() else None,
                                bf16=cfg.mixed_precision == "bf16", **plan.load_kwargs(),
                                **objective.model_kwargs(tokenizer))
-    gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: ranks routing to other experts never wait apart
+    deepspeed_model_settings(accelerator, model)  # ZeRO-3: MoE blocks whole, buckets from the text's hidden size
     loss = objective.loss(model)
     optimizer = optim.build_optimizer(model, cfg)
     scheduler = optim.build_scheduler(optimizer, cfg, steps.total_steps)

@@ -184,6 +184,16 @@ def tiny_moe_dir(runs, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dirs(runs) -> dict[str, Path]:
+    """The tiny vision-language models (Gemma-3- and LLaVA-shaped, with their processors), built once for every
+    test process."""
+    from disttrain.tools.tiny import VLM_FAMILIES, build_vlm_dir
+
+    return {family: runs.get(f"tiny-{family}-vl", lambda folder, f=family: build_vlm_dir(folder / f"tiny-{f}-vl", f))
+            for family in VLM_FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

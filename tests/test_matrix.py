@@ -94,7 +94,9 @@ def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, mo
     return None
 
 
-def model_for(feature, tiny_model_dir, tiny_moe_dir) -> Path:
+def model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs=None) -> Path:
+    if feature.vision:
+        return tiny_vlm_dirs["gemma3"]
     return tiny_moe_dir if feature.moe else tiny_model_dir
 
 
@@ -104,10 +106,10 @@ CELLS = [(f, c) for f in FEATURES for c in matrix.CONFIGS]
 @pytest.mark.parametrize("feature, config", [(f, c) for f, c in CELLS if isinstance(matrix.cell(f.key, c), Refused)],
                          ids=lambda x: getattr(x, "key", x))
 def test_refused_cells_are_refused_in_one_line_before_anything_loads(feature, config, tiny_model_dir, tiny_moe_dir,
-                                                                     tmp_path, monkeypatch):
+                                                                     tiny_vlm_dirs, tmp_path, monkeypatch):
     expected = matrix.cell(feature.key, config)
-    said = checked(feature, config, expected.on_gpu, model_for(feature, tiny_model_dir, tiny_moe_dir), tmp_path,
-                   monkeypatch)
+    said = checked(feature, config, expected.on_gpu, model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs),
+                   tmp_path, monkeypatch)
     assert said is not None, f"{feature.key} under {config} is declared refused but passes the checks"
     assert expected.says in said and "\n" not in said, said
 
@@ -124,8 +126,10 @@ def test_gpu_only_cells_are_refused_without_a_gpu_and_pass_with_one(feature, con
 
 @pytest.mark.parametrize("feature, config", [(f, c) for f, c in CELLS if isinstance(matrix.cell(f.key, c), Proven)],
                          ids=lambda x: getattr(x, "key", x))
-def test_proven_cells_pass_the_checks(feature, config, tiny_model_dir, tiny_moe_dir, tmp_path, monkeypatch):
-    said = checked(feature, config, False, model_for(feature, tiny_model_dir, tiny_moe_dir), tmp_path, monkeypatch)
+def test_proven_cells_pass_the_checks(feature, config, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs, tmp_path,
+                                     monkeypatch):
+    said = checked(feature, config, False, model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs), tmp_path,
+                   monkeypatch)
     assert said is None, said
 
 
@@ -151,7 +155,8 @@ def variant(kind: str, config: str) -> tuple[str, ...]:
         loss = matrix.PREFERENCE_LOSS[config]
         return ("lora.r=8", "lora.dropout=0", f"preference.loss={loss}",
                 *(("preference.reference=none",) if loss in ("simpo", "orpo") else ()))
-    return {"rl": matrix.RL_VARIANT, "reward": matrix.REWARD_VARIANT}.get(kind, {}).get(config, ())
+    return {"rl": matrix.RL_VARIANT, "reward": matrix.REWARD_VARIANT,
+            "vision": matrix.VISION_VARIANT}.get(kind, {}).get(config, ())
 
 
 def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,
@@ -196,6 +201,17 @@ def feature_run(runs, model_dir: Path, kind: str, config: str, features, extra: 
     return runs.get(key, make)
 
 
+def loaded_weights(out: Path, lora: bool) -> dict:
+    """A vision-language export's weights as AutoModelForImageTextToText loads them (nothing missing or unexpected):
+    the names a ZeRO-3 export writes differ from one process's (transformers' checkpoint mapping applied to the
+    gathered names), the model they load is the same."""
+    from transformers import AutoModelForImageTextToText
+
+    model, info = AutoModelForImageTextToText.from_pretrained(out / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.state_dict()
+
+
 COMPARED = ("loss", "eval_loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
             "clip_ratio/region_mean")
 COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/")
@@ -208,11 +224,12 @@ def compared(out: Path) -> dict[tuple[int, str], float]:
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config, kind", RUNS, ids=[f"{c}-{k}" for c, k in RUNS])
-def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir):
+def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir, tiny_vlm_dirs):
     features = run_features(kind, config)
     extra = variant(kind, config)
-    out, stdout = feature_run(runs, tiny_model_dir, kind, config, features, extra)
-    ref, ref_stdout = feature_run(runs, tiny_model_dir, kind, "single_gpu", features, extra)
+    model_dir = tiny_vlm_dirs["gemma3"] if kind == "vision" else tiny_model_dir
+    out, stdout = feature_run(runs, model_dir, kind, config, features, extra)
+    ref, ref_stdout = feature_run(runs, model_dir, kind, "single_gpu", features, extra)
     keys = {f.key for f in features}
     ours, single = compared(out), compared(ref)
     assert sorted(s for s, k in ours if k == "loss") == list(range(1, STEPS + 1))
@@ -220,6 +237,8 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
         assert any(k == "eval_loss" for _, k in ours) and any(k.startswith("eval_loss/") for _, k in ours)
     if "reward_model" in keys:  # trained and evaluated on pairs
         assert any(k == "rewards/accuracy" for _, k in ours) and any(k == "eval_rewards/accuracy" for _, k in ours)
+    if "vlm" in keys:  # trained and evaluated on images, the chunked loss checked against the model's own
+        assert any(k == "eval_loss" for _, k in ours)
     if "grpo" in keys:  # rolled out, scored by both functions, trained on
         assert {s for s, k in ours if k == "reward"} and any(k == "rewards/answer_words/mean" for _, k in ours)
     if "scoring" in keys:
@@ -241,8 +260,27 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir)
     if "samples" in keys:
         samples = [[line for line in text.splitlines() if line.startswith("sample: ")] for text in (stdout, ref_stdout)]
         assert samples[0] and samples[0] == samples[1]
-    weights = [final_weights(run, lora) for run in (out, ref)]
+    weights = [(loaded_weights if kind == "vision" and not lora else final_weights)(run, lora) for run in (out, ref)]
     assert set(weights[0]) == set(weights[1]) and all(v.numel() > 0 for v in weights[0].values())
     for name, value in weights[1].items():
         torch.testing.assert_close(weights[0][name], value, atol=1e-4, rtol=1e-3, msg=f"{config} {kind}: {name}")
 
+
+
+@pytest.mark.launch
+def test_a_vision_language_run_resumes_exactly(runs, tiny_vlm_dirs, tmp_path):
+    """FSDP2, images: stopped after step 2 and launched again, it logs steps 3-4 equal to the uninterrupted run's
+    (the matrix's fsdp run) and ends with its weights."""
+    from strategy_runs import losses
+
+    features, extra = run_features("vision", "fsdp"), variant("vision", "fsdp")
+    whole, _ = feature_run(runs, tiny_vlm_dirs["gemma3"], "vision", "fsdp", features, extra)
+    recipe = run_recipe(tmp_path, tiny_vlm_dirs["gemma3"], "vision", features, 2, "resumed", extra)
+    assert_ok(launch("fsdp", recipe, nproc=2, overrides=["training.stop_at_step=2"]))
+    assert_ok(launch("fsdp", recipe, nproc=2))
+    resumed = tmp_path / "resumed"
+    assert sorted(losses(resumed)) == list(range(1, STEPS + 1))
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-6, abs=1e-7)
+    ours, theirs = loaded_weights(resumed, False), loaded_weights(whole, False)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -41,6 +41,7 @@ SHIPPED = {
     # ZeRO-3 (the MoE with LoRA); the tiny one on its own model
     "tiny/grpo.yaml": "fsdp",
     "tiny/reward.yaml": "zero3",  # a reward model: the score head under ZeRO-3
+    "tiny/vlm_sft.yaml": "zero3",  # vision-language: shrunk to the tiny model of its family, with its processor
     "qwen3-1.7b/grpo_gsm8k.yaml": "ddp",
     "qwen2.5-7b/grpo_lora.yaml": "ddp",
     "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",
@@ -63,7 +64,11 @@ def preflight(runs, recipe: str, tiny_model_dir):
     """`make preflight` of a shipped recipe under the strategy it is written for, once per session: (its report's
     rows, its work dir: model/, run/, save.log)."""
     def make(folder):
-        overrides = QUIET + ([f"model.name_or_path={tiny_model_dir}"] if recipe.startswith("tiny/") else [])
+        tiny = tiny_model_dir
+        if recipe == "tiny/vlm_sft.yaml":  # its own tiny model (preflight shrinks it to the same again)
+            from disttrain.tools.tiny import build_vlm_dir
+            tiny = build_vlm_dir(folder / "tiny-gemma3-vl")
+        overrides = QUIET + ([f"model.name_or_path={tiny}"] if recipe.startswith("tiny/") else [])
         report = run(str(REPO / "recipes" / recipe), SHIPPED[recipe], nproc=None, steps=4, work_dir=folder / "pf",
                      overrides=overrides)
         return report.rows, folder / "pf"

@@ -23,7 +23,8 @@ from disttrain.data.templates import IGNORE_INDEX
 LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop before the forward pass
 SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
 TARGETS_KEY = "num_targets"  # context parallelism: the targets of this process's part, counted before the cut
-BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY)
+IMAGES_COUNT_KEY = "num_images"  # vision-language rows: each row's images (the loss self-check's first row)
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY, IMAGES_COUNT_KEY)
 # position t's target, already shifted (transformers' name): set before a sequence is split across ranks
 # (context parallelism), where shifting inside each shard would lose the target at every shard boundary
 SHIFT_LABELS_KEY = "shift_labels"

@@ -1,9 +1,11 @@
 """Every format becomes one of two shapes: a conversation (messages, optional tools) or a text document.
 
     alpaca     {"instruction", "input"?, "output", "system"?}          -> system? + user + assistant
-    chat       {"messages": [{"role", "content", "tool_calls"?}], "tools"?}   (OpenAI messages)
-    sharegpt   {"conversations": [{"from", "value"}], "tools"?, "system"?}     (from: human/gpt/system/
-               function_call/observation, more through the source's `roles`)
+    chat       {"messages": [{"role", "content", "tool_calls"?}], "tools"?, "images"?}   (OpenAI messages; a
+               content may be a list of text and image parts: transformers' chat format)
+    sharegpt   {"conversations": [{"from", "value"}], "tools"?, "system"?, "images"?}   (from: human/gpt/system/
+               function_call/observation, more through the source's `roles`; LLaVA's layout: an `image(s)` column
+               and `<image>` in the text)
     text       {"text"}
     preference {"prompt", "chosen", "rejected"}: strings, or message lists (chat template applied; only the
                responses are scored); when chosen and rejected are whole conversations (they open with the
@@ -20,8 +22,10 @@ without a location; sources.check_record adds the file:line.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from disttrain.recipe.schema import SourceSection
@@ -38,6 +42,7 @@ class Conversation:
     messages: list[dict]
     tools: list[dict] | None = None
     alpaca: tuple[str, str, str] | None = field(default=None, repr=False)  # for the no-template Alpaca prompt
+    images: list[str] = field(default_factory=list)  # in the order the messages show them (data/vision.py)
 
 
 def column(source: SourceSection, name: str) -> str:
@@ -80,17 +85,44 @@ def _valid_messages(messages, key: str, expected: str = "a non-empty list of mes
         content = m.get("content")
         if content is None and not m.get("tool_calls"):
             raise DataError(f"{where}message {i} ({m['role']}) needs 'content' (or 'tool_calls')")
-        if not (content is None or isinstance(content, str) or _text_parts(content)):
+        if not (content is None or isinstance(content, str) or _content_parts(content)):
             raise DataError(f"{where}message {i} ({m['role']}): 'content' must be a string (or a list of "
-                            f"{{'type': 'text', 'text': ...}} parts), got {type(content).__name__} {content!r:.40}; "
-                            "quote it in the data")
+                            f"{{'type': 'text', 'text': ...}} and {{'type': 'image', ...}} parts), got "
+                            f"{type(content).__name__} {content!r:.40}; quote it in the data")
     return [dict(m) for m in messages]
 
 
-def _text_parts(content) -> bool:
-    """An OpenAI content list of text parts."""
-    return isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content)
+def _content_parts(content) -> bool:
+    """An OpenAI / transformers content list of text and image parts."""
+    return isinstance(content, list) and all(
+        isinstance(p, Mapping) and (p.get("type") in ("image", "image_url")
+                                    or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content)
+
+
+def _images_column(record, source):
+    """The record's `images` column (LLaVA's single `image` where the dataset has no `images`), or None."""
+    if "images" in source.columns:
+        return record.get(source.columns["images"])
+    return record.get("images", record.get("image"))
+
+
+def _with_images(conversation: Conversation, record, source) -> Conversation:
+    """Image parts made bare for the template, the images listed in order (data/vision.py) and resolved."""
+    from disttrain.data.vision import image_ref, take_images
+
+    messages, images = take_images(conversation.messages, _images_column(record, source))
+    base = source.image_dir or _folder(source.path)
+    conversation.messages = messages
+    conversation.images = [image_ref(image, base, f"image {k + 1}") for k, image in enumerate(images)]
+    return conversation
+
+
+@functools.lru_cache(maxsize=64)
+def _folder(path: str) -> str | None:
+    """The folder of a local data file (relative image paths start there), None for a hub dataset."""
+    folder = Path(path).parent
+    return str(folder) if folder.is_dir() else None
 
 
 def _check_messages(messages, key: str) -> list[dict]:
@@ -113,7 +145,7 @@ def _chat(record, source) -> Conversation:
     key = column(source, "messages")
     messages = _check_messages(_field(record, source, "messages"), key)
     tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
-    return Conversation(_with_system(messages, source.system_prompt), tools)
+    return _with_images(Conversation(_with_system(messages, source.system_prompt), tools), record, source)
 
 
 def _sharegpt(record, source) -> Conversation:
@@ -138,7 +170,8 @@ def _sharegpt(record, source) -> Conversation:
             messages.append({"role": role, "content": str(turn["value"])})
     system = _field(record, source, "system", required=False) or source.system_prompt
     messages = _check_messages(_with_system(messages, system), key)
-    return Conversation(messages, _json_list(_field(record, source, "tools", required=False), column(source, "tools")))
+    tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
+    return _with_images(Conversation(messages, tools), record, source)
 
 
 def _text(record, source) -> str:

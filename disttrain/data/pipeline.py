@@ -17,7 +17,8 @@ from disttrain.data.packing import DocumentChunker, pack_rows
 from disttrain.data.preference import PAIR_INDEX, render_pair, tokenize_pairs
 from disttrain.data.prompts import PROMPT_INDEX, prompt_text, tokenize_prompts
 from disttrain.data.sources import load_split, validate_local_file
-from disttrain.data.templates import IGNORE_INDEX, render, tokenize_rendered
+from disttrain.data.templates import IGNORE_INDEX, Rendered, render, tokenize_rendered
+from disttrain.data.vision import IMAGES_KEY, vision_of
 from disttrain.errors import DataError
 
 
@@ -72,17 +73,40 @@ def tokenize_batch(records: list, tokenizer, section: DataSection, source: Sourc
                                 source.columns.get("prompt", "prompt"), name)
     if source.format == "preference":
         return tokenize_pairs(rendered, tokenizer, section.max_seq_len)
-    examples = [_example_fields(ids, labels, section) for ids, labels in tokenize_rendered(rendered, tokenizer)]
-    return {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
+    vision = vision_of(tokenizer)
+    examples = []
+    for i, (r, (ids, labels)) in enumerate(zip(rendered, tokenize_rendered(rendered, tokenizer))):
+        if vision is not None and r.images and len(ids) > section.max_seq_len:
+            try:
+                vision.check_cut(ids, section.max_seq_len)
+            except DataError as exc:
+                raise DataError(f"{name(i)}: {exc}") from None
+        examples.append(_example_fields(ids, labels, section))
+    columns = {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
+    if vision is not None:  # every row has the column (a text-only record: no image), so sources mix
+        columns[IMAGES_KEY] = [r.images or [] for r in rendered] if source.format != "text" else [[] for _ in rendered]
+    return columns
 
 
 def render_record(record, tokenizer, source: SourceSection):
     """One record as the template renders it, with what is learned (a preference pair: both sides); raises
-    DataError for what the format or the chat template cannot take."""
+    DataError for what the format or the chat template cannot take. A conversation with images: its
+    placeholders expanded by the model's processor (data/vision.py)."""
     example = to_example(record, source)
     if source.format == "prompt":
         return prompt_text(example, tokenizer)
-    return render_pair(example, tokenizer) if source.format == "preference" else render(example, tokenizer)
+    if source.format == "preference":
+        return render_pair(example, tokenizer)
+    images = getattr(example, "images", None)
+    if not images:
+        return render(example, tokenizer)
+    vision = vision_of(tokenizer)
+    if vision is None:
+        raise DataError(f"the record holds {len(images)} image(s) but the model reads text only; train a "
+                        "vision-language model (docs/vlm.md) or drop the images")
+    rendered = render(example, tokenizer, text_spans=True)
+    text, spans = vision.expand(rendered.text, rendered.spans, images)
+    return Rendered(text, spans, rendered.prefix, images=images)
 
 
 def tokenize_record(record, tokenizer, section: DataSection, source: SourceSection | None = None) -> dict:

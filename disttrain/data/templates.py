@@ -190,6 +190,20 @@ def _find_message(text: str, content: str, cursor: int) -> int:
     return at - minus_length
 
 
+def _message_end(text: str, message: dict, cursor: int) -> int:
+    """End of a prompt message in the rendering after `cursor`, or -1: its content, or each text part of a
+    content list in order (images between them are written as placeholders)."""
+    content = message.get("content")
+    pieces = ([p.get("text") or "" for p in content if isinstance(p, dict)] if isinstance(content, list)
+              else [message_text(message)])
+    for piece in (p.strip() for p in pieces):
+        if piece:
+            cursor = _find_message(text, piece, cursor)
+            if cursor < 0:
+                return -1
+    return cursor
+
+
 def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
     """Where this turn's header ends (openers and whitespace skipped), or -1 when the header that follows the
     previous message is not there (R1 writes no header after tool results)."""
@@ -226,8 +240,7 @@ def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[in
             continue
         prompt = [m for m in waiting if m["role"] != "system"] or waiting
         for m in prompt:
-            content = message_text(m).strip()
-            found = _find_message(text, content, cursor) if content else cursor
+            found = _message_end(text, m, cursor)
             if found < 0 and m["role"] != "system":
                 raise _refuse(len(spans), f"the {m['role']} message before it is not found verbatim")
             cursor = max(cursor, found)
@@ -296,6 +309,7 @@ class Rendered:
     ids: list[int] | None = None
     labels: list[int] | None = None
     opening: int = 0  # characters of `text` a truncation keeps first (preference pairs: BOS, system, header)
+    images: list[str] | None = None  # a conversation with images: them, in order (its placeholders expanded)
 
 
 def _check_fast(tokenizer) -> None:
@@ -331,9 +345,11 @@ def _bos(tokenizer) -> list[int]:
                                                                                       False) else []
 
 
-def render(example: Conversation | str, tokenizer) -> Rendered:
+def render(example: Conversation | str, tokenizer, text_spans: bool = False) -> Rendered:
     """The text the model sees for one example and what of it is learned; no tokenising (but for templates
-    with generation markers, which transformers tokenises and masks in one call)."""
+    with generation markers, which transformers tokenises and masks in one call, unless `text_spans`: the
+    rendering's character spans are wanted, as for a conversation with images, whose placeholders the
+    processor expands in the text)."""
     if isinstance(example, str):  # a document: every token is learned
         text = example + tokenizer.eos_token
         return Rendered(text, [(0, len(text))], _bos(tokenizer))
@@ -341,7 +357,7 @@ def render(example: Conversation | str, tokenizer) -> Rendered:
     if not template:
         text, spans = _plain_rendering(example, tokenizer)
         return Rendered(text, spans, _bos(tokenizer))
-    if has_generation_markers(template):
+    if has_generation_markers(template) and not text_spans:
         out = apply_template(tokenizer, example, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         return Rendered(None, [], [], ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"])])

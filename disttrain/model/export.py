@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from disttrain.data.vision import saved_with
 from disttrain.model.loading import DTYPES, is_peft_model
 from disttrain.recipe.schema import ModelSection
 from disttrain.runtime.backends import bare_model
@@ -33,8 +34,10 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     gathers = bool(getattr(unwrapped, "_tp_size", None))  # tensor-parallel: save_pretrained gathers the shards
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+    # tied parameters once, as one process writes them: gathered copies (FSDP2, ZeRO-3, tensor parallelism) share
+    # no storage, so save_pretrained would write both names
+    state_dict = _without_aliases(unwrapped, state_dict) if state_dict is not None else state_dict
     if gathers:
-        state_dict = _without_aliases(unwrapped, state_dict)
         accelerator.wait_for_everyone()  # the leftover is gone before anything is written
     if gathers or accelerator.is_main_process:  # every rank takes part in the gather, the main process writes
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
@@ -45,8 +48,8 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
         if merge_lora and is_peft_model(unwrapped):
             with without_zero3_init(accelerator):
                 _save_merged(tmp, unwrapped, spec)
-            tokenizer.save_pretrained(tmp / "merged")  # a model dir of its own: from_pretrained loads both
-        tokenizer.save_pretrained(tmp)
+            saved_with(tokenizer).save_pretrained(tmp / "merged")  # a model dir of its own: loads alone
+        saved_with(tokenizer).save_pretrained(tmp)  # a vision-language model's processor: AutoProcessor loads it
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -94,8 +97,8 @@ def _record_dtype(config_file: Path, dtype: str) -> None:
 
 def _without_aliases(model, state_dict: dict) -> dict:
     """Tied parameters (one Parameter under two names: the embeddings and lm_head) once, under the first name, as
-    transformers writes them: it finds ties by shared storage, which its tensor-parallel gather's copies lose
-    (both names would be written)."""
+    transformers writes them: it finds ties by shared storage, which gathered copies lose (both names would be
+    written)."""
     first: dict[int, str] = {}
     aliases = {name for name, param in model.named_parameters(remove_duplicate=False)
                if first.setdefault(id(param), name) != name}
@@ -126,12 +129,14 @@ def _save_merged(adapter_dir: Path, peft_model, spec: ModelSection) -> None:
     The base is reloaded as the recipe loaded it (revision, remote code, dtype): another revision or dtype
     would merge the adapter into other weights."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     config = peft_model.peft_config["default"]
     base_path = config.base_model_name_or_path
     score = str(config.task_type) in ("SEQ_CLS", "TaskType.SEQ_CLS")  # a reward model: its one-label score head
-    model_class = AutoModelForSequenceClassification if score else AutoModelForCausalLM
+    vision = getattr(peft_model.config, "vision_config", None) is not None
+    model_class = (AutoModelForSequenceClassification if score else AutoModelForImageTextToText if vision
+                   else AutoModelForCausalLM)
     head = {"num_labels": 1, "pad_token_id": peft_model.config.pad_token_id} if score else {}
     base = model_class.from_pretrained(base_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
                                        trust_remote_code=spec.trust_remote_code,

@@ -39,6 +39,7 @@ class Family:
     heads: int
     kv_heads: int
     windowed_layers: frozenset[str] = field(default_factory=frozenset)  # layer types that do not attend in full
+    vision: bool = False  # a vision-language model: an image encoder beside the language model (model/parts.py)
 
     @classmethod
     def of(cls, config) -> Family:
@@ -59,7 +60,8 @@ class Family:
                    router_loss=router_loss, router_aux_coef=float(coef) if router_loss else 0.0, softcap=softcap,
                    tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
                    tp_plan=bool(getattr(text, "base_model_tp_plan", None)), heads=heads,
-                   kv_heads=getattr(text, "num_key_value_heads", None) or heads, windowed_layers=frozenset(windowed))
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads, windowed_layers=frozenset(windowed),
+                   vision=getattr(config, "vision_config", None) is not None)
 
     @classmethod
     def of_recipe(cls, spec) -> Family:

@@ -7,23 +7,55 @@ import sys
 import torch
 
 from disttrain.errors import DisttrainError
-from disttrain.model import lora_init
-from disttrain.recipe.schema import LoraSection, ModelSection
+from disttrain.model import lora_init, parts
+from disttrain.recipe.schema import DataSection, LoraSection, ModelSection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_tokenizer(spec: ModelSection):
+def load_tokenizer(spec: ModelSection, data: DataSection | None = None):
+    """The model's tokenizer; for a vision-language model its processor's, carrying the processor and the
+    recipe's image limits (data/vision.py), so the data path and the collator read images with it."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_name_or_path or spec.name_or_path,
-                                              revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    from disttrain.model.family import Family
+
+    if Family.of_recipe(spec).vision:
+        tokenizer = _processor_tokenizer(spec, data)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_name_or_path or spec.name_or_path,
+                                                  revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels = -100), so reusing EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.eos_token_id is None:
         raise DisttrainError(f"tokenizer of {spec.name_or_path!r} has no eos_token; set one in its "
                              "tokenizer_config.json (the model must learn where answers end)")
+    return tokenizer
+
+
+def _processor_tokenizer(spec: ModelSection, data: DataSection | None):
+    from transformers import AutoProcessor
+
+    from disttrain.data.vision import VisionInputs, attach
+
+    try:
+        processor = AutoProcessor.from_pretrained(spec.tokenizer_name_or_path or spec.name_or_path,
+                                                  revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError, ImportError, AttributeError) as exc:  # no processor files, torchvision missing
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DisttrainError(f"model.name_or_path={spec.name_or_path} is a vision-language model but its processor "
+                             f"cannot be loaded ({type(exc).__name__}: {said}); the Qwen-VL processors need "
+                             "torchvision (docs/vlm.md)") from None
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None or not hasattr(processor, "image_processor"):
+        raise DisttrainError(f"model.name_or_path={spec.name_or_path}: its processor "
+                             f"({type(processor).__name__}) has no tokenizer and image processor")
+    if tokenizer.chat_template is None and getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template  # the data path renders with the tokenizer
+    limits = {} if data is None else {"max_pixels": data.max_pixels, "min_pixels": data.min_pixels,
+                                      "max_images": data.max_images}
+    attach(tokenizer, VisionInputs(processor, **limits))
     return tokenizer
 
 
@@ -64,10 +96,14 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     the (replicas, shards) of the FSDP2 it lays over them (`bf16`: its all-gathers in bf16, reductions in fp32).
     `head`: causal_lm (the language model), or score (a reward model: the same body with transformers' one-label
     sequence-classification head, new, read at each row's last token before `pad_token_id`)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
+
+    from disttrain.model.family import Family
 
     kwargs = {"num_labels": 1, "pad_token_id": pad_token_id} if head == "score" else {}
-    model_class = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    vision = Family.of_recipe(spec).vision
+    model_class = (AutoModelForSequenceClassification if head == "score"
+                   else AutoModelForImageTextToText if vision else AutoModelForCausalLM)
     model = model_class.from_pretrained(
         spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
@@ -78,9 +114,18 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen = frozen_parts(spec) if vision else ()
+    parts.freeze(model, frozen)
     if lora is not None:
-        model = apply_lora(model, lora, spec.gradient_checkpointing, "SEQ_CLS" if head == "score" else "CAUSAL_LM")
+        targets = parts.lora_targets(model, lora.target_modules, frozen) if vision else None
+        model = apply_lora(model, lora, spec.gradient_checkpointing, "SEQ_CLS" if head == "score" else "CAUSAL_LM",
+                           targets)
     return model
+
+
+def frozen_parts(spec: ModelSection) -> tuple[str, ...]:
+    """The parts of a vision-language model left as they are (model.freeze; by default its image encoder)."""
+    return tuple(spec.freeze) if spec.freeze is not None else parts.DEFAULT_FROZEN
 
 
 def _tensor_parallel_kwargs(tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
@@ -96,12 +141,16 @@ def _tensor_parallel_kwargs(tp: int, tp_data: tuple[int, int], bf16: bool) -> di
                                                     fsdp_mixed_precision=bf16 and replicas * shards > 1)}
 
 
-def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool, task_type: str = "CAUSAL_LM"):
-    """peft's LoRA; task_type SEQ_CLS (a reward model) also trains the new score head in full."""
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool, task_type: str = "CAUSAL_LM",
+               targets: list[str] | None = None):
+    """peft's LoRA; task_type SEQ_CLS (a reward model) also trains the new score head in full. `targets`: the
+    full names of the layers to adapt, instead of lora.target_modules (a vision-language model's parts not
+    frozen: model/parts.py)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, target_parameters=lora.target_parameters,
+                        target_modules=targets if targets is not None else lora.target_modules,
+                        target_parameters=lora.target_parameters,
                         modules_to_save=lora.modules_to_save,
                         use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
                         rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, task_type=task_type)

@@ -4,6 +4,7 @@ optimizer step (token_loss.py: chunked by default, never full logits)."""
 from __future__ import annotations
 
 from disttrain.data.collation import Collator, flattens_packed_rows
+from disttrain.data.vision import with_images
 from disttrain.objectives.token_loss import TokenLoss
 
 
@@ -16,8 +17,9 @@ class SFT:
         return {}
 
     def collator(self, tokenizer) -> Collator:
+        """Padded rows (a vision-language model's with their images' pixels: data/vision.py)."""
         flatten = flattens_packed_rows(self.recipe.model.attn_implementation)
-        return Collator(tokenizer.pad_token_id, flatten_packed=flatten)
+        return with_images(Collator(tokenizer.pad_token_id, flatten_packed=flatten), tokenizer)
 
     def loss(self, model) -> TokenLoss:
         return TokenLoss(model, self.recipe.training.loss_impl)

@@ -156,13 +156,40 @@ def _check_tensor_parallel_family(family: Family, tp: int, data_parallel: int) -
 
 
 def check_model_config(recipe: Recipe, sp: int, cp: int, tp: int, data_parallel: int) -> None:
-    """What only the model's config says about the sequence and tensor-parallel meshes, read (config.json only)
-    before any weight: the recipe's router loss switched on as loading will switch it on."""
-    if sp == 1 and cp == 1 and tp == 1:
-        return
+    """What only the model's config says about the sequence and tensor-parallel meshes and about the recipe's
+    vision-language fields, read (config.json only) before any weight: the recipe's router loss switched on as
+    loading will switch it on."""
     family = Family.of_recipe(recipe.model)
+    check_vision_language(recipe, family, sp * cp * tp > 1)
     _check_sequence_family(family, sp, cp)
     _check_tensor_parallel_family(family, tp, data_parallel)
+
+
+def check_vision_language(recipe: Recipe, family: Family, splits_rows: bool) -> None:
+    """Vision-language fine-tuning is proven for SFT on map-style, unpacked rows under the data-parallel configs
+    (DDP, FSDP2, HSDP, ZeRO); what else a recipe asks of a vision-language model (or a text model's freeze list)
+    stops here (`splits_rows`: the launch splits sequences or layers: Ulysses, context or tensor parallelism)."""
+    m, d, t = recipe.model, recipe.data, recipe.training
+    if not family.vision:
+        if m.freeze is not None:
+            raise DisttrainError(f"model.freeze names parts of a vision-language model; {m.name_or_path} "
+                                 f"({family.name}) has no image encoder: remove the field")
+        return
+    from disttrain.model.parts import PARTS
+
+    refused = [(splits_rows, "Ulysses, context or tensor parallelism (images and 3-D positions across a cut "
+                "sequence or split layers, unverified here)"),
+               (t.objective != "sft", f"training.objective={t.objective}"),
+               (d.packing or d.concat_and_chunk, "data.packing / concat_and_chunk (image rows packed: not proven "
+                "exact, e.g. Qwen-VL's 3-D positions restart per image)"),
+               (d.streaming, "data.streaming=true"),
+               (t.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head on a vision-language forward)"),
+               (m.quantization is not None, "model.quantization (4-bit image encoders, unverified here)"),
+               (set(m.freeze or ()) >= set(PARTS), "model.freeze of every part (nothing would train)")]
+    for found, what in refused:
+        if found:
+            raise DisttrainError(f"{what} is not supported for the vision-language model {m.name_or_path} "
+                                 f"({family.name}) yet; docs/vlm.md lists what is proven")
 
 
 def check_before_launch(recipe: Recipe, plan, gpu: bool) -> None:

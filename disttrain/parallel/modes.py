@@ -50,7 +50,9 @@ class DataParallel:
         """What the mode refuses of a recipe, one line each: nothing beyond the strategy's own checks."""
 
     def check_model(self, recipe) -> None:
-        """What the mode refuses of the recipe's model (its config.json alone, before any weight): nothing."""
+        """What the mode refuses of the recipe's model (its config.json alone, before any weight): what every
+        launch refuses of it (a vision-language model's unproven combinations)."""
+        checks.check_model_config(recipe, 1, 1, 1, 1)
 
     def load_kwargs(self) -> dict:
         """What model loading needs of the mode: nothing (accelerate wraps or shards after loading)."""

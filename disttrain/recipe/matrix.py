@@ -56,6 +56,7 @@ class Feature:
     title: str
     overrides: tuple[str, ...]  # recipe overrides that turn it on (over recipes/tiny/sft.yaml)
     moe: bool = False  # needs a mixture-of-experts model (its refusals read the model's config)
+    vision: bool = False  # needs a vision-language model (the tiny Gemma-3-shaped one)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ Cell = Proven | Refused | NeedsGpu
 # process on the same recipe: `adapters`, `full`, `preference` to the strategy matrix's tolerances;
 # `noise` (stochastic) with replicas compared every step and losses within NOISE_TOLERANCE. In the one-process
 # column the run is the reference itself: its cells say the features run there.
-RUN_KINDS = ("adapters", "full", "noise", "preference", "rl", "reward")
+RUN_KINDS = ("adapters", "full", "noise", "preference", "rl", "reward", "vision")
 NOISE_TOLERANCE = 0.05
 
 FEATURES = (
@@ -123,6 +124,9 @@ FEATURES = (
     Feature("reward_model", "reward-model training (a score head, Bradley-Terry; the variants below)",
             ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
+    Feature("vlm", "vision-language SFT (images; the variants below)",
+            ("data.path=data/tiny_vlm.jsonl", "data.format=chat", "data.eval_path=data/tiny_vlm_eval.jsonl",
+             "data.max_seq_len=64", "training.eval_every=2"), vision=True),
     Feature("scoring", "evaluation during training (lm-eval)",
             ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
              "evaluation.limit=5")),
@@ -198,6 +202,14 @@ REWARD_VARIANT = {
     "zero2": ("lora.r=8", "lora.dropout=0"), "zero3": ("reward_model.center_rewards_coefficient=0.01",),
     "zero3_offload": ("lora.r=8", "lora.dropout=0"),
 }
+# The vision-language runs: the image encoder frozen (the default), LoRA on the language model and projector, or
+# every part trained, in turn; each compared with one process running the same variant.
+VISION_VARIANT = {
+    "single_gpu": (), "ddp": ("lora.r=8", "lora.dropout=0"), "fsdp": (), "fsdp_offload": ("model.freeze=[]",),
+    "hsdp": ("lora.r=8", "lora.dropout=0"), "zero1": ("model.freeze=[]",), "zero2": ("lora.r=8", "lora.dropout=0"),
+    "zero3": (), "zero3_offload": ("model.freeze=[]",),
+}
+VISION_REFUSAL = "Ulysses, context or tensor parallelism (images"
 TP_REFUSAL = "is not supported under tensor parallelism"
 SINGLE_REFERENCE = "the one-process reference of every comparison"
 
@@ -300,6 +312,11 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("reward", ", ".join(REWARD_VARIANT[c]) or "full")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=reward is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=reward " + TP_REFUSAL)),
+    },
+    "vlm": {
+        **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("vision", ", ".join(VISION_VARIANT[c]) or
+                                                           "the image encoder frozen")),
+        **_each((*SEQUENCE, *TENSOR), lambda c: Refused(VISION_REFUSAL)),
     },
     "scoring": _each(CONFIGS, lambda c: _run("adapters")),
     "samples": _each(CONFIGS, lambda c: _run("adapters")),

@@ -43,12 +43,18 @@ class ModelSection(_Section):
         None, ge=0.0, description="mixture of experts: train with the router's load-balancing loss at this weight "
         "(turns on the model's output_router_logits; null keeps the model config's choice, off for Qwen3-MoE and "
         "Mixtral as published); a dense model is refused in one line")
+    freeze: list[Literal["vision", "projector", "language"]] | None = Field(
+        None, description="Vision-language models: the parts left as they are (vision: the image encoder, "
+        "projector: what maps its features into the language model, language: the language model and its head); "
+        "null: [vision]. Under LoRA the adapters go on the parts not frozen (docs/vlm.md); a text model with a "
+        "freeze list is refused in one line")
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference", "prompt"]
 # the record fields each format reads; `columns` maps them to a dataset's own column names
-FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools"),
-                 "sharegpt": ("conversations", "tools", "system"), "text": ("text",), "prompt": ("prompt", "tools")}
+FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools", "images"),
+                 "sharegpt": ("conversations", "tools", "system", "images"), "text": ("text",),
+                 "prompt": ("prompt", "tools")}
 
 
 class _SourceFields(_Section):
@@ -68,6 +74,8 @@ class _SourceFields(_Section):
                                     "e.g. {instruction: prompt, output: response}")
     roles: dict[str, str] = Field(default_factory=dict, description="sharegpt: extra `from` value -> role "
                                   "(user, assistant, system, tool, function_call)")
+    image_dir: str | None = Field(None, description="Vision-language data: where relative image paths start "
+                                  "(default: the data file's folder; docs/vlm.md)")
 
     @model_validator(mode="after")
     def _check_eval(self):
@@ -108,6 +116,12 @@ class DataSection(_SourceFields):
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenising; default: the CPUs available "
                                  "(at most 16), one per 20k records")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded, the same on every rank)")
+    max_pixels: int | None = Field(None, ge=1, description="Vision-language data: images larger than this many "
+                                   "pixels are scaled down (aspect kept) before the processor sees them (fewer "
+                                   "image tokens for families that count them by size, Qwen-VL)")
+    min_pixels: int | None = Field(None, ge=1, description="Vision-language data: smaller images are scaled up")
+    max_images: int = Field(8, ge=1, description="Vision-language data: more images in one conversation stop the "
+                            "run in one line naming the record")
     streaming: bool = Field(False, description="Read the training data as a stream (local files or the hub): "
                             "tokenised and packed on the fly, each rank its own shards, nothing cached; "
                             "needs training.max_steps (docs/data.md; the configs it is proven under: "
@@ -141,7 +155,7 @@ class DataSection(_SourceFields):
         return [SourceSection(path=self.path, format=self.format, name="train", split=self.split, subset=self.subset,
                               chat_prompt=self.chat_prompt, eval_path=self.eval_path, eval_split=self.eval_split,
                               eval_fraction=self.eval_fraction, system_prompt=self.system_prompt, columns=columns,
-                              roles=self.roles)]
+                              roles=self.roles, image_dir=self.image_dir)]
 
 
 class TrainingSection(_Section):

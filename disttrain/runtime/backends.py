@@ -330,6 +330,24 @@ def moe_block_classes(model) -> list[str]:
     return sorted(names)
 
 
+def deepspeed_model_settings(accelerator, model) -> None:
+    """What DeepSpeed takes from the model before accelerate prepares it: MoE blocks gathered whole
+    (gather_moe_blocks_whole) and the bucket sizes left "auto", from the language model's hidden size (accelerate
+    reads `config.hidden_size`, which a vision-language model keeps in its text config: it would stop)."""
+    gather_moe_blocks_whole(accelerator, model)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if plugin is None or config is None or hasattr(config, "hidden_size") or not hasattr(config, "get_text_config"):
+        return
+    hidden = config.get_text_config().hidden_size
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    for key, value in (("reduce_bucket_size", hidden * hidden), ("stage3_prefetch_bucket_size", int(0.9 * hidden ** 2)),
+                       ("stage3_param_persistence_threshold", 10 * hidden)):  # accelerate's own formulas
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
 def gather_moe_blocks_whole(accelerator, model) -> list[str]:
     """ZeRO-3 gathers a layer's weights when it is entered. Inside an MoE block, which experts are entered
     depends on the tokens each rank routes, so ranks would wait in different gathers (the hang DeepSpeed

@@ -16,6 +16,7 @@ attention kernel (tests/cpu_ring; torch maps only its CUDA kernels), as the proj
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,9 @@ def build_shrunk_model(recipe: Recipe, out_dir: Path, min_kv_heads: int = 1) -> 
     from disttrain.tools.tiny import build_tokenizer
 
     config_dir = find_config_dir(recipe.model.name_or_path)
+    vision = _vision_family(config_dir)
+    if vision is not None:
+        return _shrunk_vision_model(vision, out_dir)
     tokenizer = build_tokenizer()
     config = shrink_config(config_dir, tokenizer, min_kv_heads)
     torch.manual_seed(0)
@@ -93,6 +97,24 @@ def build_shrunk_model(recipe: Recipe, out_dir: Path, min_kv_heads: int = 1) -> 
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir, f"{type(model).__name__} ({config.model_type}, tied={config.tie_word_embeddings})"
+
+
+def _vision_family(config_dir: Path) -> str | None:
+    """A vision-language config's model type (None: a text model)."""
+    config = json.loads((config_dir / "config.json").read_text())
+    return config.get("model_type", "?") if "vision_config" in config else None
+
+
+def _shrunk_vision_model(model_type: str, out_dir: Path) -> tuple[Path, str]:
+    """A vision-language model shrinks to the tiny one of its family (same classes, tiny encoder and language
+    model, its processor): the families tools/tiny.py builds; others are refused in one line."""
+    from disttrain.tools.tiny import VLM_FAMILIES, build_vlm_dir
+
+    if model_type not in VLM_FAMILIES:
+        raise DisttrainError(f"preflight shrinks the vision-language families {', '.join(VLM_FAMILIES)} only, not "
+                             f"{model_type} (docs/vlm.md)")
+    build_vlm_dir(out_dir, model_type)
+    return out_dir, f"{model_type} vision-language model with its processor (tools/tiny.py)"
 
 
 def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) -> tuple[list[str], list[str]]:
@@ -143,14 +165,15 @@ def strategy_of(config_file: Path) -> str:
 
 
 def load_export(final: Path, lora: bool) -> str:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vision = _vision_family(final) is not None if (final / "config.json").is_file() else False
     if lora:
-        from peft import AutoPeftModelForCausalLM
+        from peft import AutoPeftModel, AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(final)
+        model = (AutoPeftModel if vision else AutoPeftModelForCausalLM).from_pretrained(final)
     else:
-        model = AutoModelForCausalLM.from_pretrained(final)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(final)
     n = sum(p.numel() for p in model.parameters())
     return f"{final} loads ({n / 1e6:.2f}M params)"
 

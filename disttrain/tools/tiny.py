@@ -2,9 +2,12 @@
 locally (the Hub is never contacted), so `make train` and the tests run anywhere in minutes.
 
     python -m disttrain.tools.tiny model --out artifacts/tiny-llama   # tokenizer + random-init model
+    python -m disttrain.tools.tiny vlm   --out artifacts/tiny-gemma3-vl [--family llava]   # + processor
     python -m disttrain.tools.tiny data  --out data                   # regenerates the shipped JSONL files
+                                                                      # and data/tiny_vlm/'s images
 
-The tasks (reverse, sort, count, copy words) are learnable by a 2-layer model, so the loss visibly falls.
+The tasks (reverse, sort, count, copy words) are learnable by a 2-layer model, so the loss visibly falls. The
+vision-language tasks ask for the colour or the shape of one drawn shape (or whether two have the same colour).
 """
 
 from __future__ import annotations
@@ -172,6 +175,10 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_tasks_eval.jsonl": choice_records(100, seed=7),  # eval_tasks/disttrain_tiny (make eval)
         "tiny_prompts.jsonl": prompt_records(400, seed=8),  # recipes/tiny/grpo.yaml
     }
+    images = write_images(out)  # recipes/tiny/vlm_sft.yaml: paths relative to the data file
+    files["tiny_vlm.jsonl"] = vlm_records(480, seed=9, paths=images)
+    files["tiny_vlm_eval.jsonl"] = vlm_records(48, seed=10, paths=images)
+    files["tiny_llava.jsonl"] = vlm_records(160, seed=11, paths=images, layout="llava")
     written = []
     for name, records in files.items():
         path = out / name
@@ -188,21 +195,192 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer():
-    """A byte-level BPE trained on the task text: small vocab, deterministic, with a ChatML template."""
+def build_tokenizer(corpus: list[str] | None = None, special_tokens: list[str] = SPECIAL_TOKENS,
+                    template: str = CHAT_TEMPLATE, **tokens):
+    """A byte-level BPE trained on the task text: small vocab, deterministic, with a ChatML template (`tokens`:
+    eos_token, pad_token, bos_token and the named extra tokens a processor reads, e.g. image_token)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=special_tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
-    fast.chat_template = CHAT_TEMPLATE
+    tok.train_from_iterator(corpus or _corpus(), trainer=trainer)
+    settings = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None}
+    settings.update(tokens)
+    named = {k: v for k, v in settings.items() if k not in ("eos_token", "pad_token", "bos_token", "unk_token")}
+    base = {k: v for k, v in settings.items() if k not in named}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **base, **({"extra_special_tokens": named} if named else {}))
+    fast.chat_template = template
     return fast
+
+
+# ------------------------------------------------------------------------------------------- vision-language
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 60, 220), "yellow": (230, 210, 30)}
+SHAPES = ("circle", "square", "triangle")
+IMAGE_SIDE = 32
+
+
+def draw_shape(shape: str, colour: str, side: int = IMAGE_SIDE):
+    """One shape in one colour on white (PIL, no randomness: the same bytes on every machine)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (side, side), (255, 255, 255))
+    draw, m = ImageDraw.Draw(image), side // 6
+    box = (m, m, side - m, side - m)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLOURS[colour])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLOURS[colour])
+    else:
+        draw.polygon([(side // 2, m), (side - m, side - m), (m, side - m)], fill=COLOURS[colour])
+    return image
+
+
+def write_images(out_dir: str | Path) -> dict[tuple[str, str], str]:
+    """Every (shape, colour) as a PNG in out_dir/tiny_vlm/; -> its path relative to out_dir."""
+    folder = Path(out_dir) / "tiny_vlm"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for shape in SHAPES:
+        for colour in COLOURS:
+            name = f"tiny_vlm/{colour}_{shape}.png"
+            draw_shape(shape, colour).save(Path(out_dir) / name, format="PNG")
+            paths[shape, colour] = name
+    return paths
+
+
+def vlm_records(n: int, seed: int, paths: dict[tuple[str, str], str], layout: str = "chat") -> list[dict]:
+    """Questions about drawn shapes, answers a 2-layer model learns: the colour, the shape (the answer among the
+    question's words in half of them: "Is it red or blue?"), and, one conversation in eight, two images and
+    whether their colours match. layout chat: transformers' message parts ({"type": "image", "image": path});
+    llava: an `image` column and `<image>` in the human turn (LLaVA's layout)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        images = [paths[shape, colour]]
+        if i % 8 == 7:
+            other = rng.choice(list(COLOURS))
+            images.append(paths[rng.choice(SHAPES), other])
+            question, answer = "Do the two shapes have the same colour?", "yes" if other == colour else "no"
+        elif rng.random() < 0.5:
+            wrong = rng.choice([c for c in COLOURS if c != colour])
+            pair = [colour, wrong] if rng.random() < 0.5 else [wrong, colour]
+            question, answer = f"Is the shape {pair[0]} or {pair[1]}?", colour
+        else:
+            question, answer = rng.choice([("What colour is the shape?", colour), ("What shape is this?", shape)])
+        if layout == "llava":
+            marks = "<image>\n" * len(images)
+            out.append({"image": images if len(images) > 1 else images[0],
+                        "conversations": [{"from": "human", "value": marks + question},
+                                          {"from": "gpt", "value": answer}]})
+            continue
+        # every content a list of parts (a file that mixes strings and lists has no one Arrow type)
+        parts = [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": _text_part(answer)}]
+        if i % 4 == 0:
+            messages.insert(0, {"role": "system", "content": _text_part("Answer with one word.")})
+        out.append({"messages": messages})
+    return out
+
+
+def _text_part(text: str) -> list[dict]:
+    return [{"type": "text", "text": text}]
+
+
+def _vlm_corpus() -> list[str]:
+    words = " ".join([*COLOURS, *SHAPES, "What colour is the shape? What shape is this? Is the shape or",
+                      "Do the two shapes have the same colour? yes no Answer with one word. user model assistant"])
+    return _corpus() + [words] * 20
+
+
+# Gemma 3's chat template as published (system text prefixed to the first user turn, `model` as the assistant's
+# role, images as <start_of_image>, turns closed by <end_of_turn>), and LLaVA-style `USER: ... ASSISTANT: ...`
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception('Invalid content type') }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+VLM_FAMILIES = ("gemma3", "llava")
+
+
+def build_vlm_dir(out_dir: str | Path, family: str = "gemma3", seed: int = 0) -> Path:
+    """A tiny vision-language model with the structure of a real family -- Gemma 3 (SigLIP tower, pooled
+    projector, Gemma 3 text model with sliding layers; 4 image tokens) or LLaVA (CLIP tower, MLP projector,
+    Llama; 16 image tokens) -- its tokenizer, chat template and processor (PIL image processors: no
+    torchvision), random-init, written to out_dir; AutoModelForImageTextToText and AutoProcessor load it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    text = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024)
+    if family == "gemma3":
+        from transformers import Gemma3Config, Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        tokenizer = build_tokenizer(_vlm_corpus(), ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
+                                                    "<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+                                    GEMMA3_TEMPLATE, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>",
+                                    boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                                    image_token="<image_soft_token>")
+        processor = Gemma3Processor(Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer,
+                                    chat_template=GEMMA3_TEMPLATE, image_seq_length=4)
+        ids = tokenizer.convert_tokens_to_ids
+        config = Gemma3Config(text_config=dict(vocab_size=len(tokenizer), head_dim=16, sliding_window=64,
+                                               pad_token_id=tokenizer.pad_token_id, **text),
+                              vision_config=vision, mm_tokens_per_image=4,
+                              image_token_index=ids("<image_soft_token>"), boi_token_index=ids("<start_of_image>"),
+                              eoi_token_index=ids("<end_of_image>"),
+                              eos_token_id=[tokenizer.eos_token_id, ids("<end_of_turn>")],
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    elif family == "llava":
+        from transformers import LlavaConfig, LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        tokenizer = build_tokenizer(_vlm_corpus(), ["<unk>", "<s>", "</s>", "<image>", "<pad>"], LLAVA_TEMPLATE,
+                                    eos_token="</s>", pad_token="<pad>", image_token="<image>")
+        processor = LlavaProcessor(CLIPImageProcessorPil(size={"shortest_edge": 28},
+                                                         crop_size={"height": 28, "width": 28}), tokenizer,
+                                   patch_size=7, vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                                   num_additional_image_tokens=1)
+        config = LlavaConfig(text_config=dict(model_type="llama", vocab_size=len(tokenizer), **text),
+                             vision_config=dict(model_type="clip_vision_model", projection_dim=32, **vision),
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             vision_feature_select_strategy="default", vision_feature_layer=-1,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    else:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(VLM_FAMILIES)}")
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    return out
 
 
 def tiny_llama_config(vocab_size: int, **overrides):
@@ -234,12 +412,17 @@ def build_model_dir(out_dir: str | Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["model", "data"])
-    parser.add_argument("--out", help="output directory (default: artifacts/tiny-llama or data)")
+    parser.add_argument("what", choices=["model", "vlm", "data"])
+    parser.add_argument("--out", help="output directory (default: artifacts/tiny-llama, artifacts/tiny-<family>-vl "
+                        "or data)")
+    parser.add_argument("--family", choices=VLM_FAMILIES, default="gemma3", help="vlm: the family's structure")
     args = parser.parse_args(argv)
     if args.what == "model":
         path = build_model_dir(args.out or "artifacts/tiny-llama")
         print(f"tiny model + tokenizer written to {path}")
+    elif args.what == "vlm":
+        path = build_vlm_dir(args.out or f"artifacts/tiny-{args.family}-vl", args.family)
+        print(f"tiny vision-language model + processor written to {path}")
     else:
         for path in write_data(args.out or "data"):
             print(f"wrote {path}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX
+from disttrain.data.vision import IMAGES_KEY, vision_of
 from disttrain.runtime.backends import generating
 
 PROMPT_TOKENS_WITHOUT_TARGETS = 16  # a document (continued pretraining): its first tokens are the prompt
@@ -37,21 +38,38 @@ def sample_prompts(rows, count: int) -> list[list[int]]:
     return prompts
 
 
+def sample_images(rows, count: int) -> list[list[str]]:
+    """The images of the prompts sample_prompts takes (vision-language rows; none elsewhere)."""
+    return [list(rows[i].get(IMAGES_KEY) or []) for i in range(min(count, len(rows)))]
+
+
 @torch.no_grad()
-def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """Greedy completions of every prompt, the same number of forward steps on every rank."""
-    samples = []
+def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int,
+             images: list[list[str]] | None = None) -> list[dict]:
+    """Greedy completions of every prompt (with its images, for a vision-language model), the same number of
+    forward steps on every rank; a completion is cut after its first end token (EOS, or one the model's
+    generation config ends turns with: Gemma's <end_of_turn>)."""
+    samples, vision = [], vision_of(tokenizer)
     with generating(accelerator, model) as module:
-        for ids in prompts:
+        ends = {tokenizer.eos_token_id} | set(_ids(getattr(module.generation_config, "eos_token_id", None)))
+        for k, ids in enumerate(prompts):
             inputs = torch.tensor([ids], device=accelerator.device)
+            pixels = {}
+            if vision is not None and images and images[k]:
+                pixels = {**vision.pixels(images[k]), **vision.token_types(inputs.cpu())}
+                pixels = {name: value.to(accelerator.device) for name, value in pixels.items()}
             out = module.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
                                   do_sample=False, use_cache=True, eos_token_id=None,
-                                  pad_token_id=tokenizer.pad_token_id)
+                                  pad_token_id=tokenizer.pad_token_id, **pixels)
             new = out[0, len(ids):].tolist()
-            if tokenizer.eos_token_id in new:
-                new = new[:new.index(tokenizer.eos_token_id) + 1]
+            end = next((j for j, t in enumerate(new) if t in ends), None)
+            new = new if end is None else new[:end + 1]
             samples.append({"prompt": tokenizer.decode(ids), "completion": tokenizer.decode(new)})
     return samples
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
@@ -77,13 +95,14 @@ def log_to_trackers(accelerator, samples: list[dict], step: int) -> None:
 class Sampler:
     """What the loop calls after each evaluation: generate, log, keep the last samples."""
 
-    def __init__(self, accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int, log):
+    def __init__(self, accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int, log,
+                 images: list[list[str]] | None = None):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
-        self.prompts, self.new_tokens, self.log = prompts, new_tokens, log
+        self.prompts, self.new_tokens, self.log, self.images = prompts, new_tokens, log, images
         self.last: list[dict] = []
 
     def __call__(self, step: int) -> None:
-        self.last = generate(self.accelerator, self.model, self.tokenizer, self.prompts, self.new_tokens)
+        self.last = generate(self.accelerator, self.model, self.tokenizer, self.prompts, self.new_tokens, self.images)
         self.log({"samples": self.last}, step)
         if self.accelerator.is_main_process:
             log_to_trackers(self.accelerator, self.last, step)
@@ -94,5 +113,6 @@ def build_sampler(accelerator, model, tokenizer, recipe, eval_sets: dict, train_
     rows = next(iter(eval_sets.values()), train_set)
     if not recipe.logging.samples or rows is None or not recipe.generates_text():
         return None
-    return Sampler(accelerator, model, tokenizer, sample_prompts(rows, recipe.logging.samples),
-                   recipe.logging.sample_tokens, log)
+    count = recipe.logging.samples
+    return Sampler(accelerator, model, tokenizer, sample_prompts(rows, count), recipe.logging.sample_tokens, log,
+                   sample_images(rows, count))

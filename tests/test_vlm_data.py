@@ -1,0 +1,224 @@
+"""Vision-language data: what is learned (exactly the replies and their end tokens, never an image token or a
+prompt) on two families' published chat templates and the same templates without whitespace control, with
+adversarial conversations; the processor's own tokens; LLaVA's layout; batches; parts; every bad image in one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from disttrain.data import IGNORE_INDEX
+from disttrain.data.pipeline import tokenize_record
+from disttrain.data.vision import VisionCollator, image_ref, vision_of
+from disttrain.data.collation import Collator
+from disttrain.errors import DataError
+from disttrain.recipe.schema import DataSection
+from disttrain.tools.tiny import draw_shape
+
+END = {"gemma3": "<end_of_turn>", "llava": "</s>"}
+
+
+def loose(template: str) -> str:
+    """The template without whitespace control, each tag on a line of its own, indented: its rendering gains
+    blank lines and indentation around every turn (how many community templates are written)."""
+    return template.replace("{%-", "{%").replace("-%}", "%}").replace("%}{%", "%}\n    {%").replace("}}{%", "}}\n  {%")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    paths = {}
+    for shape, colour in (("circle", "red"), ("square", "blue"), ("triangle", "green")):
+        path = folder / f"{colour}_{shape}.png"
+        draw_shape(shape, colour).save(path)
+        paths[colour] = str(path)
+    return paths
+
+
+def tokenizer_of(model_dir, template: str | None = None, **limits):
+    from disttrain.model.loading import load_tokenizer
+    from disttrain.recipe.schema import ModelSection
+
+    tokenizer = load_tokenizer(ModelSection(name_or_path=str(model_dir)),
+                               DataSection(path="x.jsonl", format="chat", **limits))
+    if template is not None:
+        tokenizer.chat_template = template
+        vision_of(tokenizer).processor.chat_template = template
+    return tokenizer
+
+
+def adversarial(images) -> list[tuple[dict, list[str]]]:
+    """(record, the replies it teaches): answers that occur in the question, a system prompt, two images, a
+    second user turn with its own image, text parts around an image."""
+    def text(t):
+        return {"type": "text", "text": t}
+    return [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": images["red"]},
+                                                     text("Is the shape red or blue?")]},
+                       {"role": "assistant", "content": [text("red")]}]}, ["red"]),
+        ({"messages": [{"role": "system", "content": [text("Answer red or blue.")]},
+                       {"role": "user", "content": [text("First"), {"type": "image", "image": images["blue"]},
+                                                    text("then"), {"type": "image", "image": images["red"]},
+                                                    text("Same colour? yes or no")]},
+                       {"role": "assistant", "content": [text("no")]},
+                       {"role": "user", "content": [{"type": "image", "image": images["green"]},
+                                                    text("And this one: green?")]},
+                       {"role": "assistant", "content": [text("green")]}]}, ["no", "green"]),
+    ]
+
+
+def learned_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
+    runs, current = [], []
+    for t, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == t
+            current.append(t)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+@pytest.mark.parametrize("style", ["published", "no_whitespace_control"])
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_only_the_replies_and_their_end_tokens_are_learned(family, style, tiny_vlm_dirs, images):
+    from disttrain.tools.tiny import GEMMA3_TEMPLATE, LLAVA_TEMPLATE
+
+    template = {"gemma3": GEMMA3_TEMPLATE, "llava": LLAVA_TEMPLATE}[family]
+    tokenizer = tokenizer_of(tiny_vlm_dirs[family], template if style == "published" else loose(template))
+    vision = vision_of(tokenizer)
+    section = DataSection(path="x.jsonl", format="chat", max_seq_len=512)
+    for record, replies in adversarial(images):
+        row = tokenize_record(record, tokenizer, section)
+        ids, labels = row["input_ids"], row["labels"]
+        runs = learned_runs(ids, labels, tokenizer)
+        assert ["".join(r.split()) for r in runs] == [reply + END[family] for reply in replies], (style, runs)
+        # the processor's own tokens for the same rendering and images
+        messages = [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
+                                      for p in m["content"]]} for m in record["messages"]]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        pictures = vision.load(row["images"])
+        theirs = vision.processor(text=[text], images=[pictures])["input_ids"][0]
+        assert list(ids) == list(theirs)
+        image_positions = [i for i, t in enumerate(ids) if t in vision.image_ids]
+        assert image_positions and all(labels[i] == IGNORE_INDEX for i in image_positions)
+        assert len(row["images"]) == sum(p["type"] == "image" for m in record["messages"] for p in m["content"])
+
+
+def test_llava_layout_equals_the_chat_layout(tiny_vlm_dirs, images):
+    tokenizer = tokenizer_of(tiny_vlm_dirs["llava"])
+    section = DataSection(path="x.jsonl", format="sharegpt", max_seq_len=512)
+    llava = {"image": [images["blue"], images["red"]],
+             "conversations": [{"from": "human", "value": "<image>\n<image>\nSame colour?"},
+                               {"from": "gpt", "value": "no"}]}
+    chat = {"messages": [{"role": "user", "content": [{"type": "image", "image": images["blue"]},
+                                                      {"type": "image", "image": images["red"]},
+                                                      {"type": "text", "text": "Same colour?"}]},
+                         {"role": "assistant", "content": "no"}]}
+    ours = tokenize_record(llava, tokenizer, section)
+    theirs = tokenize_record(chat, tokenizer, DataSection(path="x.jsonl", format="chat", max_seq_len=512))
+    assert ours["input_ids"] == theirs["input_ids"] and ours["labels"] == theirs["labels"]
+    assert ours["images"] == theirs["images"] == [images["blue"], images["red"]]
+
+
+def test_embedded_bytes_and_pil_images_equal_the_file(tiny_vlm_dirs, images):
+    from PIL import Image
+
+    with open(images["red"], "rb") as f:
+        raw = f.read()
+    for value in ({"bytes": raw, "path": None}, Image.open(images["red"])):
+        ref = image_ref(value, None, "image 1")
+        assert ref.startswith("data:")
+        vision = vision_of(tokenizer_of(tiny_vlm_dirs["gemma3"]))
+        assert torch.equal(vision.pixels([ref])["pixel_values"], vision.pixels([images["red"]])["pixel_values"])
+
+
+def test_the_collator_adds_pixels_token_types_and_image_counts(tiny_vlm_dirs, images):
+    tokenizer = tokenizer_of(tiny_vlm_dirs["gemma3"])
+    section = DataSection(path="x.jsonl", format="chat", max_seq_len=512)
+    rows = [tokenize_record(record, tokenizer, section) for record, _ in adversarial(images)]
+    rows = [{k: r[k] for k in ("input_ids", "labels", "images")} for r in rows]
+    batch = VisionCollator(Collator(tokenizer.pad_token_id), vision_of(tokenizer))(rows)
+    assert batch["num_images"].tolist() == [1, 3]
+    assert batch["pixel_values"].shape == (4, 3, 28, 28)
+    soft = tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert torch.equal(batch["token_type_ids"], (batch["input_ids"] == soft).long())  # Gemma 3's image blocks
+
+
+def test_the_parts_freeze_and_lora_targets_follow_the_names(tiny_vlm_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    from disttrain.model import parts
+
+    for family in ("gemma3", "llava"):
+        model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dirs[family])
+        kinds = {parts.part_of(name) for name, _ in model.named_parameters()}
+        assert kinds == {"vision", "projector", "language"}, family
+        parts.freeze(model, ("vision",))
+        assert all(p.requires_grad == (parts.part_of(n) != "vision") for n, p in model.named_parameters())
+        targets = parts.lora_targets(model, "all-linear", ("vision",))
+        assert targets and all(parts.part_of(t) != "vision" for t in targets)
+        assert all("lm_head" not in t for t in targets)
+        assert set(parts.lora_targets(model, ["q_proj"], ("vision", "projector"))) == {
+            n for n, _ in model.named_modules() if n.endswith("language_model.layers.0.self_attn.q_proj")
+            or n.endswith("language_model.layers.1.self_attn.q_proj")}
+
+
+def _bad(images, tmp_path):
+    unreadable = tmp_path / "not_an_image.png"
+    unreadable.write_text("plain text")
+    user = [{"type": "image", "image": images["red"]}, {"type": "text", "text": "Colour?"}]
+    ok = [{"role": "user", "content": user}, {"role": "assistant", "content": "red"}]
+    return [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "gone.png")}]},
+                       ok[1]]}, "not found"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": str(unreadable)}]}, ok[1]]},
+         "cannot be read as an image"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x.org/a.png"}]}, ok[1]]},
+         "is a URL"),
+        ({"messages": [{"role": "user", "content": user * 3}, ok[1]]}, "more than data.max_images=2"),
+        ({"messages": [ok[0], {"role": "assistant", "content": user}]}, "only prompts may hold images"),
+        ({"messages": [{"role": "user", "content": "<image> Colour?"}, ok[1]],
+          "images": [images["red"], images["blue"]]}, "2 image(s) but its messages mark 1"),
+    ]
+
+
+def test_every_bad_image_is_one_line_naming_the_record(tiny_vlm_dirs, images, tmp_path):
+    tokenizer = tokenizer_of(tiny_vlm_dirs["gemma3"], max_images=2)
+    section = DataSection(path="x.jsonl", format="chat", max_seq_len=512, max_images=2)
+    for record, says in _bad(images, tmp_path):
+        with pytest.raises(DataError) as caught:
+            tokenize_record(record, tokenizer, section)
+        assert says in str(caught.value) and "\n" not in str(caught.value), (says, str(caught.value))
+    short = DataSection(path="x.jsonl", format="chat", max_seq_len=16)
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "red " * 20},
+                                                        {"type": "image", "image": images["red"]}]},
+                           {"role": "assistant", "content": "red"}]}
+    with pytest.raises(DataError, match="image tokens reach past data.max_seq_len=16"):
+        tokenize_record(record, tokenizer, short)
+
+
+def test_a_bad_image_in_a_file_names_its_line(tiny_vlm_dirs, images, tmp_path):
+    from disttrain.data.pipeline import build_datasets
+    from contextlib import nullcontext
+
+    good = {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
+                                                      {"type": "text", "text": "Colour?"}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]}
+    draw_shape("circle", "red").save(tmp_path / "red.png")
+    bad = json.loads(json.dumps(good))
+    bad["messages"][0]["content"][0]["image"] = "missing.png"
+    (tmp_path / "vlm.jsonl").write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
+    section = DataSection(path=str(tmp_path / "vlm.jsonl"), format="chat", max_seq_len=128)
+    with pytest.raises(DataError, match=r"vlm.jsonl:3: .*missing.png not found"):
+        build_datasets(section, tokenizer_of(tiny_vlm_dirs["gemma3"]), 0, nullcontext)
+
+
+def test_a_text_model_refuses_records_with_images(tokenizer, images):
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": images["red"]}]},
+                           {"role": "assistant", "content": "red"}]}
+    with pytest.raises(DataError, match="the model reads text only"):
+        tokenize_record(record, tokenizer, DataSection(path="x.jsonl", format="chat"))
