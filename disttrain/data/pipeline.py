@@ -84,7 +84,7 @@ def tokenize_batch(records: list, tokenizer, section: DataSection, source: Sourc
         examples.append(_example_fields(ids, labels, section))
     columns = {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
     if vision is not None:  # every row has the column (a text-only record: no image), so sources mix
-        columns[IMAGES_KEY] = [r.images or [] for r in rendered] if source.format != "text" else [[] for _ in rendered]
+        columns[IMAGES_KEY] = [r.images or [] for r in rendered]
     return columns
 
 
