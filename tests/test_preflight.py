@@ -42,6 +42,7 @@ SHIPPED = {
     "tiny/grpo.yaml": "fsdp",
     "tiny/reward.yaml": "zero3",  # a reward model: the score head under ZeRO-3
     "tiny/vlm_sft.yaml": "zero3",  # vision-language: shrunk to the tiny model of its family, with its processor
+    "gemma-3-4b/full_sft.yaml": "fsdp",  # the same from model_configs/, on the shipped pictures
     "qwen3-1.7b/grpo_gsm8k.yaml": "ddp",
     "qwen2.5-7b/grpo_lora.yaml": "ddp",
     "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",

@@ -1,6 +1,7 @@
 """Vision-language data: what is learned (exactly the replies and their end tokens, never an image token or a
-prompt) on two families' published chat templates and the same templates without whitespace control, with
-adversarial conversations; the processor's own tokens; LLaVA's layout; batches; parts; every bad image in one
+prompt) on two tiny families' published chat templates and three more families' layouts (Qwen2-VL's ChatML, Llama
+3.2 Vision's headers, Mistral's header-less [INST]), each also without whitespace control, with adversarial
+conversations; the processor's own tokens; LLaVA's layout; batches; parts; every bad image in one
 line."""
 
 from __future__ import annotations
@@ -82,13 +83,83 @@ def learned_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
     return runs + ([tokenizer.decode(current)] if current else [])
 
 
+# The layouts of other published vision-language templates, each around the tiny LLaVA processor's `<image>`
+# placeholder (their own image tokens differ; where the template writes them is what the masking must survive):
+# Qwen2-VL's ChatML (a default system turn inserted, the image between vision markers, plain newlines), Llama 3.2
+# Vision's headers, and Mistral/Pixtral's header-less [INST] turns with a system-prompt block.
+QWEN2_VL = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content %}"
+    "<|vision_start|><image><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA32_VISION = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}{%- else %}"
+    "{%- for content in message['content'] %}{%- if content['type'] == 'image' %}{{- '<image>' }}"
+    "{%- elif content['type'] == 'text' %}{{- content['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+MISTRAL_INST = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{{- '[SYSTEM_PROMPT]' + (message['content'] if message['content'] is string else "
+    "message['content'][0]['text']) + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' }}{%- if message['content'] is string %}"
+    "{{- message['content'] }}{%- else %}{%- for block in message['content'] %}{%- if block['type'] == 'text' %}"
+    "{{- block['text'] }}{%- elif block['type'] == 'image' %}{{- '<image>' }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '[/INST]' }}{%- elif message['role'] == 'assistant' %}"
+    "{{- (message['content'] if message['content'] is string else message['content'][0]['text']) + eos_token }}"
+    "{%- endif %}{%- endfor %}")
+OTHER_LAYOUTS = {  # template, special tokens, (eos, pad, bos), the end of an assistant turn
+    "qwen2_vl": (QWEN2_VL, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                            "<image>"], ("<|im_end|>", "<|endoftext|>", None), "<|im_end|>"),
+    "llama32_vision": (LLAMA32_VISION, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                        "<|eot_id|>", "<|finetune_right_pad_id|>", "<image>"],
+                       ("<|eot_id|>", "<|finetune_right_pad_id|>", "<|begin_of_text|>"), "<|eot_id|>"),
+    "mistral_inst": (MISTRAL_INST, ["<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                    "[/SYSTEM_PROMPT]", "<image>"], ("</s>", "<pad>", "<s>"), "</s>"),
+}
+END.update({name: layout[3] for name, layout in OTHER_LAYOUTS.items()})
+
+
+def layout_tokenizer(family: str, template: str):
+    """A tokenizer with the layout's special tokens and template, carrying a LLaVA processor around it."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from disttrain.data.vision import VisionInputs, attach
+    from disttrain.tools.tiny import _vlm_corpus, build_tokenizer
+
+    _, specials, (eos, pad, bos), _ = OTHER_LAYOUTS[family]
+    tokenizer = build_tokenizer(_vlm_corpus(), specials, template, eos_token=eos, pad_token=pad, bos_token=bos,
+                                image_token="<image>")
+    processor = LlavaProcessor(CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+                               tokenizer, patch_size=7, vision_feature_select_strategy="default",
+                               chat_template=template, num_additional_image_tokens=1)
+    attach(tokenizer, VisionInputs(processor))
+    return tokenizer
+
+
 @pytest.mark.parametrize("style", ["published", "no_whitespace_control"])
-@pytest.mark.parametrize("family", ["gemma3", "llava"])
+@pytest.mark.parametrize("family", ["gemma3", "llava", *OTHER_LAYOUTS])
 def test_only_the_replies_and_their_end_tokens_are_learned(family, style, tiny_vlm_dirs, images):
     from disttrain.tools.tiny import GEMMA3_TEMPLATE, LLAVA_TEMPLATE
 
-    template = {"gemma3": GEMMA3_TEMPLATE, "llava": LLAVA_TEMPLATE}[family]
-    tokenizer = tokenizer_of(tiny_vlm_dirs[family], template if style == "published" else loose(template))
+    def tokenizer_for(written: str):
+        if family in OTHER_LAYOUTS:
+            return layout_tokenizer(family, written)
+        return tokenizer_of(tiny_vlm_dirs[family], written)
+
+    template = OTHER_LAYOUTS[family][0] if family in OTHER_LAYOUTS else {"gemma3": GEMMA3_TEMPLATE,
+                                                                         "llava": LLAVA_TEMPLATE}[family]
+    tokenizer = tokenizer_for(template if style == "published" else loose(template))
+    if style != "published":  # the loose template renders otherwise: blank lines and indentation around turns
+        probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+        assert tokenizer.apply_chat_template(probe, tokenize=False) != \
+            tokenizer_for(template).apply_chat_template(probe, tokenize=False)
     vision = vision_of(tokenizer)
     section = DataSection(path="x.jsonl", format="chat", max_seq_len=512)
     for record, replies in adversarial(images):
@@ -100,12 +171,12 @@ def test_only_the_replies_and_their_end_tokens_are_learned(family, style, tiny_v
         messages = [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                       for p in m["content"]]} for m in record["messages"]]
         text = tokenizer.apply_chat_template(messages, tokenize=False)
-        pictures = vision.load(row["images"])
+        pictures = vision.load(row["image_refs"])
         theirs = vision.processor(text=[text], images=[pictures])["input_ids"][0]
         assert list(ids) == list(theirs)
         image_positions = [i for i, t in enumerate(ids) if t in vision.image_ids]
         assert image_positions and all(labels[i] == IGNORE_INDEX for i in image_positions)
-        assert len(row["images"]) == sum(p["type"] == "image" for m in record["messages"] for p in m["content"])
+        assert len(row["image_refs"]) == sum(p["type"] == "image" for m in record["messages"] for p in m["content"])
 
 
 def test_llava_layout_equals_the_chat_layout(tiny_vlm_dirs, images):
@@ -121,7 +192,7 @@ def test_llava_layout_equals_the_chat_layout(tiny_vlm_dirs, images):
     ours = tokenize_record(llava, tokenizer, section)
     theirs = tokenize_record(chat, tokenizer, DataSection(path="x.jsonl", format="chat", max_seq_len=512))
     assert ours["input_ids"] == theirs["input_ids"] and ours["labels"] == theirs["labels"]
-    assert ours["images"] == theirs["images"] == [images["blue"], images["red"]]
+    assert ours["image_refs"] == theirs["image_refs"] == [images["blue"], images["red"]]
 
 
 def test_embedded_bytes_and_pil_images_equal_the_file(tiny_vlm_dirs, images):
@@ -140,7 +211,7 @@ def test_the_collator_adds_pixels_token_types_and_image_counts(tiny_vlm_dirs, im
     tokenizer = tokenizer_of(tiny_vlm_dirs["gemma3"])
     section = DataSection(path="x.jsonl", format="chat", max_seq_len=512)
     rows = [tokenize_record(record, tokenizer, section) for record, _ in adversarial(images)]
-    rows = [{k: r[k] for k in ("input_ids", "labels", "images")} for r in rows]
+    rows = [{k: r[k] for k in ("input_ids", "labels", "image_refs")} for r in rows]
     batch = VisionCollator(Collator(tokenizer.pad_token_id), vision_of(tokenizer))(rows)
     assert batch["num_images"].tolist() == [1, 3]
     assert batch["pixel_values"].shape == (4, 3, 28, 28)
@@ -222,3 +293,33 @@ def test_a_text_model_refuses_records_with_images(tokenizer, images):
                            {"role": "assistant", "content": "red"}]}
     with pytest.raises(DataError, match="the model reads text only"):
         tokenize_record(record, tokenizer, DataSection(path="x.jsonl", format="chat"))
+
+
+def test_a_parquet_file_with_an_image_column_as_the_hub_datasets_store_it(tiny_vlm_dirs, tmp_path):
+    """LLaVA-Instruct-Mix's layout (HuggingFaceH4/llava-instruct-mix-vsft): messages whose parts carry an `index`
+    (Arrow fills the missing keys with null) and an `images` column of datasets' Image feature, read back as PIL
+    images: the rows equal the same conversation given as a file path."""
+    from contextlib import nullcontext
+
+    import datasets
+
+    from disttrain.data.pipeline import build_datasets
+
+    picture = tmp_path / "red.png"
+    draw_shape("circle", "red").save(picture)
+    messages = [{"role": "user", "content": [{"index": 0, "text": None, "type": "image"},
+                                             {"index": None, "text": "Is it red or blue?", "type": "text"}]},
+                {"role": "assistant", "content": [{"index": None, "text": "red", "type": "text"}]}]
+    table = datasets.Dataset.from_dict({"messages": [messages], "images": [[str(picture)]]})
+    table.cast_column("images", datasets.Sequence(datasets.Image())).to_parquet(tmp_path / "mix.parquet")
+    tokenizer = tokenizer_of(tiny_vlm_dirs["gemma3"])
+    rows, _, _ = build_datasets(DataSection(path=str(tmp_path / "mix.parquet"), format="chat", max_seq_len=128),
+                                tokenizer, 0, nullcontext)
+    plain = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(picture)},
+                                                       {"type": "text", "text": "Is it red or blue?"}]},
+                          {"role": "assistant", "content": "red"}]}
+    expected = tokenize_record(plain, tokenizer, DataSection(path="x.jsonl", format="chat", max_seq_len=128))
+    assert rows[0]["input_ids"] == expected["input_ids"] and rows[0]["labels"] == expected["labels"]
+    vision = vision_of(tokenizer)
+    ours, theirs = vision.pixels(rows[0]["image_refs"]), vision.pixels([str(picture)])
+    assert torch.equal(ours["pixel_values"], theirs["pixel_values"])

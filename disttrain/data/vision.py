@@ -32,7 +32,8 @@ import torch
 from disttrain.data.collation import IMAGES_COUNT_KEY as COUNT_KEY
 from disttrain.errors import DataError
 
-IMAGES_KEY = "images"  # a row's images (paths or data URIs) in the tokenised dataset
+IMAGES_KEY = "image_refs"  # a row's images (paths or data URIs) in the tokenised dataset; not "images": a map
+# output column named as an input column keeps its features (an Image column would decode the refs back to PIL)
 MARK = "<image>"  # where an `images` column's entries go in the text (LLaVA's layout)
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 

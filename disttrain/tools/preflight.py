@@ -31,6 +31,7 @@ MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
              "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl",
              "prompt": "data/tiny_prompts.jsonl"}
+TINY_VISION_DATA = {"chat": "data/tiny_vlm.jsonl", "sharegpt": "data/tiny_llava.jsonl"}  # a vision-language model's
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 TINY_EXPERTS = 4
 
@@ -121,11 +122,12 @@ def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) ->
     """Recipe overrides that make the run CPU-sized; returns (overrides, notes on what was substituted)."""
     notes = []
     data_overrides = []
+    shipped = {**TINY_DATA, **(TINY_VISION_DATA if _vision_family(model_dir) else {})}
     for i, src in enumerate(recipe.data.all_sources()):
         path = src.path
         if not (path.endswith(LOCAL_DATA_SUFFIXES) and Path(path).is_file()):
-            path = str(REPO / TINY_DATA[src.format])
-            notes.append(f"data: hub dataset {src.path!r} replaced by the shipped {TINY_DATA[src.format]}")
+            path = str(REPO / shipped[src.format])
+            notes.append(f"data: hub dataset {src.path!r} replaced by the shipped {shipped[src.format]}")
         if recipe.data.sources is None:
             data_overrides.append(f"data.path={path}")
             if path != src.path:  # a hub dataset's columns do not apply to the shipped data

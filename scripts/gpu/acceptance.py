@@ -35,9 +35,9 @@ Items (--items a,b,c picks some; default all, started in the order below):
     qlora_{ddp,fsdp}          the same with model.quantization=4bit; qlora_fsdp sets DISTTRAIN_ALLOW_UNVERIFIED=1
                               (this run is what verifies it); SKIP when bitsandbytes does not import
     adamw_8bit                training.optimizer=adamw_8bit on one GPU; SKIP without bitsandbytes
-    vlm_fsdp                  the tiny Gemma-3-shaped vision-language model on the shipped pictures under FSDP2 in
-                              bf16: finite losses, eval loss falls, final/ loads with AutoModelForImageTextToText
-                              and AutoProcessor, a sample generated on an image
+    vlm_{fsdp,zero3}          the tiny Gemma-3-shaped vision-language model on the shipped pictures in bf16 under
+                              FSDP2 / ZeRO-3: finite losses, eval loss falls, final/ loads with
+                              AutoModelForImageTextToText and AutoProcessor, a sample generated on an image
     moe_lora                  a small Qwen3-MoE (8 experts, 2 per token): LoRA on attention and the fused experts
                               (lora.target_parameters), router loss on, bf16 under FSDP2 with transformers' GPU
                               expert kernels: finite losses, expert adapters exported, MFU in (0, 1]
@@ -77,10 +77,10 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 28, _fsdp 30, _zero2 38, _zero3 40, streaming_resume 28 (2 launches each); lora_ddp 15,
     lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, reward_model 20, vlm_fsdp 25,
-    moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  480 s in all; 3
-    side by side: ~160-185 s
+    vlm_zero3 35, moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  515 s
+    in all; 3 side by side: ~170-195 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 80 (8 launches)  ~200 s
-    total ~7.3 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
+    total ~7.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~8 min, so the last items may be SKIPped for the budget.
 CPU dry run here (2 cores): the test's subset, measured below (tests/test_gpu_acceptance.py).
 """
@@ -118,7 +118,7 @@ from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offlo
 from items.moe import moe_lora  # noqa: E402
 from items.packing import packing  # noqa: E402
 from items.rl import grpo, reward_model  # noqa: E402
-from items.vision import vlm_fsdp  # noqa: E402
+from items.vision import vision_language  # noqa: E402
 from kit_install import install_wheels, wheels_line  # noqa: E402
 
 GPU_FIGURES = REPO / "scripts/bench/gpu_figures.py"
@@ -159,7 +159,8 @@ ITEMS = [
     Item("dpo", dpo, 50, 150, True),
     Item("grpo", grpo, 40, 150, True),
     Item("reward_model", reward_model, 20, 90, True),
-    Item("vlm_fsdp", vlm_fsdp, 25, 120, True),
+    Item("vlm_fsdp", partial(vision_language, config="fsdp"), 25, 120, True),
+    Item("vlm_zero3", partial(vision_language, config="zero3"), 35, 150, True),
     Item("eval_during_training", eval_during_training, 30, 120, True),
     Item("moe_lora", moe_lora, 25, 90, True),
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),

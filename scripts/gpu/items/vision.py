@@ -1,7 +1,8 @@
-"""The vision-language item: the tiny Gemma-3-shaped model (SigLIP-style encoder, pooled projector; PIL image
-processor, no torchvision) trained on the shipped pictures under FSDP2 in bf16 (its encoder blocks wrapped by their
-own class, from the model's _no_split_modules): the path a GPU runs differently (bf16 pixels through the encoder,
-sdpa's CUDA kernels with Gemma 3's bidirectional image blocks, FSDP2 on NCCL)."""
+"""The vision-language items: the tiny Gemma-3-shaped model (SigLIP-style encoder, pooled projector; PIL image
+processor, no torchvision) trained on the shipped pictures in bf16 under FSDP2 (its encoder blocks wrapped by their
+own class, from the model's _no_split_modules) and under ZeRO-3 (the encoder partitioned; the bucket sizes from the
+text config's hidden size): the paths a GPU runs differently (bf16 pixels through the encoder, sdpa's CUDA kernels
+with Gemma 3's bidirectional image blocks, FSDP2 / DeepSpeed on NCCL)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from harness import PASS, Ctx, Fail, read_metrics, recipe, require_finite_losses
 STEPS_PER_SETTING_STEP = 4
 
 
-def vlm_fsdp(ctx: Ctx) -> tuple[str, str]:
+def vision_language(ctx: Ctx, config: str) -> tuple[str, str]:
     """Finite losses at every step, the eval loss below its first value, the export loadable by
     AutoModelForImageTextToText and AutoProcessor, one sample generated on an image, peak memory recorded."""
     from disttrain.runtime.launcher import REPO
@@ -26,7 +27,7 @@ def vlm_fsdp(ctx: Ctx) -> tuple[str, str]:
                   training={"max_steps": steps, "micro_batch_size": 8, "grad_accum": 1, "lr": 3e-3,
                             "eval_every": steps // 2},
                   logging={"samples": 1})
-    proc, log = train(ctx, "run", "fsdp", tree)
+    proc, log = train(ctx, "run", config, tree)
     require_finite_losses(run, steps, log)
     evals = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
     if len(evals) < 2 or not evals[-1] < evals[0]:
@@ -39,5 +40,5 @@ def vlm_fsdp(ctx: Ctx) -> tuple[str, str]:
     model = AutoModelForImageTextToText.from_pretrained(run / "final")
     peak = max(r.get("peak_mem_gb", 0.0) for r in read_metrics(run))
     ctx.figures.update(eval_loss_first=evals[0], eval_loss_last=evals[-1], peak_mem_gb=peak)
-    return PASS, (f"{steps} steps under FSDP2, eval loss {evals[0]:.3f} -> {evals[-1]:.3f}; final/ loads "
+    return PASS, (f"{steps} steps under {config}, eval loss {evals[0]:.3f} -> {evals[-1]:.3f}; final/ loads "
                   f"({type(model).__name__} + AutoProcessor), peak {peak:.2f} GB")
