@@ -29,6 +29,9 @@ SP          ?= 2
 CP          ?= 2
 # train-fsdp-tp: processes per tensor-parallel group (within a node); FSDP2 shards over GPUS x NODES / TP groups
 TP          ?= 2
+# train-fsdp-ep: processes each MoE block's experts are split over (default: the GPUs of a node); it divides
+# GPUS x NODES / HSDP_REPLICAS, and the processes holding the same experts shard them
+EP          ?= $(GPUS)
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
@@ -58,7 +61,7 @@ MAX_RESTARTS ?= 0
 RESTART_ENV = $(if $(filter-out 0,$(MAX_RESTARTS)),TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
 	PET_RDZV_ENDPOINT=$(MASTER_ADDR):$(MASTER_PORT))
 LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES) --node-rank $(NODE_RANK) && \
-	TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(RESTART_ENV) \
+	TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(RESTART_ENV) $(call MESH_ENV,$(1)) \
 	$(ACCELERATE) launch --config_file accelerate_configs/$(1).yaml \
 	--num_processes $$(( $(GPUS) * $(NODES) )) --num_machines $(NODES) --machine_rank $(NODE_RANK) \
 	--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_conf timeout=$(RDZV_TIMEOUT) \
@@ -76,10 +79,14 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(CP) ))) \
 	$(if $(filter tp,$(1)),--parallelism_config_tp_size $$(( $(GPUS) * $(NODES) ))) \
 	$(if $(filter fsdp_tp,$(1)),--parallelism_config_tp_size $(TP) --parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
-	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) )))
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(TP) / $(HSDP_REPLICAS) ))) \
+	$(if $(filter fsdp_ep,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
+	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) )))
+# ... and the one a config takes from the environment (accelerate has no expert-parallel dimension)
+MESH_ENV = $(if $(filter fsdp_ep,$(1)),PARALLELISM_CONFIG_EP_SIZE=$(EP))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-data eval export report gpu-kit gpu-acceptance clean
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -94,6 +101,7 @@ help: ## list targets and variables
 	@echo "           SP=$(SP) (train-zero3-ulysses: processes per sequence; GPUS x NODES / SP groups read different rows)"
 	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
 	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
+	@echo "           EP=$(EP) (train-fsdp-ep: processes each MoE block's experts are split over, dividing GPUS x NODES / HSDP_REPLICAS; tokens travel to their experts)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  TORCH_INDEX=$(TORCH_INDEX)  EXTRAS=$(EXTRAS)"
@@ -158,6 +166,9 @@ train-tp: tiny ## tensor parallelism alone: each weight matrix split over the GP
 train-fsdp-tp: tiny ## FSDP2 + tensor parallelism: weights split over TP processes, FSDP2 over the groups (HSDP across nodes)
 	$(call LAUNCH,fsdp_tp) train.py --recipe $(RECIPE) $(ARGS)
 
+train-fsdp-ep: tiny ## FSDP2 + expert parallelism (MoE): experts split over EP processes, tokens sent to them (HSDP across nodes)
+	$(call LAUNCH,fsdp_ep) train.py --recipe $(RECIPE) $(ARGS)
+
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)
 
@@ -190,6 +201,9 @@ bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same d
 
 bench-memory: setup ## loss memory and step time per strategy: plain (full logits), chunked, TRL's fused head; 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench.memory --nproc $(GPUS) $(ARGS)
+
+bench-experts: setup ## expert parallelism vs FSDP2 alone on a mixture of experts: states per process (vs make cost), step time, peak memory -> bench/experts/
+	$(PY) -m disttrain.bench.experts --nproc $(GPUS) --ep $(EP) $(ARGS)
 
 bench-long: setup ## peak memory per rank at one long sequence, ZeRO-3 vs ZeRO-3 + Ulysses (sp 1, 2) -> bench/long/
 	$(PY) -m disttrain.bench.long --nproc $(GPUS) $(ARGS)

@@ -42,7 +42,7 @@ def test_packages_import_one_way_and_the_core_never_imports_tools():
 
 
 def test_only_the_parallel_package_reads_the_mesh_sizes():
-    pattern = re.compile(r"\bplan\.(sp|cp|tp|tp_data)\b")
+    pattern = re.compile(r"\bplan\.(sp|cp|tp|fsdp_data)\b")
     offenders = [f"{path.relative_to(REPO)}:{n}" for path in [*PACKAGE.rglob("*.py"), REPO / "train.py"]
                  if "parallel" not in path.parts
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]

@@ -278,6 +278,31 @@ def test_fsdp_tp_rows_shard_states_over_every_gpu_or_one_replica_and_split_activ
     assert rows["fsdp_tp"]["activations_gb"] < rows["fsdp"]["activations_gb"]
 
 
+def test_ep_rows_shard_states_as_fsdp2_and_the_experts_traffic_is_counted_by_hand(capsys):
+    """--ep E: fsdp_ep (and with --hsdp-replicas, hsdp_ep) hold what FSDP2 (HSDP) holds per GPU; the traffic per GPU
+    and micro-batch, by hand for Qwen3-30B-A3B's full recipe (4096 tokens, 8 of 128 experts, hidden 2048, 48
+    layers, gradient checkpointing: 3 weight gathers, 6 token exchanges): FSDP2 gathers 3 x 2 bytes and reduces 4
+    bytes of every expert weight over 7/8 of the GPUs; EP sends 6 x 4096 x 8 x 2048 x 2 bytes x 48 layers x 7/8."""
+    from disttrain.tools.cost import expert_traffic_gb, workload_from_recipe
+
+    recipe = str(REPO / "recipes/qwen3-30b-a3b/full_sft_ep.yaml")
+    main(["--recipe", recipe, "--tokens", "1e8", "--gpus", "16", "--ep", "8", "--hsdp-replicas", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["fsdp_ep"]["states_gb"] == rows["fsdp"]["states_gb"]
+    assert rows["hsdp_ep"]["states_gb"] == rows["hsdp"]["states_gb"]
+    w, _ = workload_from_recipe(recipe)
+    experts = w.shape.expert_params
+    traffic = expert_traffic_gb(w, 8, 8)
+    assert traffic["fsdp_gb"] == pytest.approx((3 * 2 + 4) * experts * 7 / 8 / 1e9)
+    assert traffic["ep_tokens_gb"] == pytest.approx(6 * 4096 * 8 * 2048 * 2 * 48 * 7 / 8 / 1e9)
+    assert traffic["ep_gather_gb"] == 0  # each expert whole on one GPU
+    assert expert_traffic_gb(w, 16, 8)["ep_gather_gb"] == pytest.approx((3 * 2 + 4) * experts / 8 / 2 / 1e9)
+    assert result["expert_traffic"] == expert_traffic_gb(w, 16, 8, 2)
+    with pytest.raises(DisttrainError, match="--ep 3 must divide the GPUs of a replica"):
+        main(["--recipe", recipe, "--tokens", "1e8", "--gpus", "8", "--ep", "3"])
+
+
 def test_a_plan_that_fits_only_tightly_is_not_recommended_over_one_with_room(capsys):
     """Qwen3-30B-A3B LoRA on 8 x H100: DDP's replicas need 74.6 of 80 GB (fits the allocator, 1.4 GB left);
     the planner recommended it while the recipe's comment called it too tight. Now: FSDP2, with room."""

@@ -109,8 +109,10 @@ def test_the_gpu_acceptance_items_in_the_docs_are_the_scripts_items(tmp_path):
 
 # what the README's "suggested strategy" column calls each config
 SHOWN_AS = {"ddp": "DDP", "fsdp": "FSDP2", "zero1": "ZeRO-1", "zero3": "ZeRO-3", "hsdp": "HSDP",
-            "zero3_ulysses": "Ulysses", "fsdp_cp": "context parallelism"}
-MESHES = ("hsdp", "zero3_ulysses", "fsdp_cp", "tp", "fsdp_tp")  # what they buy (locality, sequence) is not priced
+            "zero3_ulysses": "Ulysses", "fsdp_cp": "context parallelism",
+            "fsdp_ep": "expert parallelism"}
+# what they buy (locality, sequence, traffic) is not priced
+MESHES = ("hsdp", "zero3_ulysses", "fsdp_cp", "tp", "fsdp_tp", "fsdp_ep")
 
 
 def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
@@ -149,7 +151,7 @@ def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
                 f"{name}: launches {strategy}, `make cost` recommends {pick['strategy']}"
         assert SHOWN_AS[strategy] in suggested[name], f"README suggests {suggested[name]!r} for {name}"
         checked.append(name)
-    assert len(checked) == 17
+    assert len(checked) == 20
     sbatch = (REPO / "scripts/slurm/train.sbatch").read_text()
     default = re.search(r"STRATEGY=\$\{STRATEGY:-(\w+)\}", sbatch).group(1), \
         re.search(r"RECIPE=\$\{RECIPE:-(\S+)\}", sbatch).group(1)

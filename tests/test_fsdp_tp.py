@@ -74,12 +74,12 @@ def test_hsdp_with_tensor_parallelism_replicates_across_groups_like_one_process(
 
 def test_the_plan_lays_data_ranks_over_the_tensor_parallel_groups(monkeypatch):
     plan = mesh_plan(monkeypatch, 8, tp=2, dp_shard=4)
-    assert (plan.label, plan.mesh, plan.tp, plan.tp_data, plan.group, plan.share) == (
+    assert (plan.label, plan.mesh, plan.tp, plan.fsdp_data, plan.group, plan.share) == (
         "fsdp_tp", "dp_shard=4,tp=2", 2, (1, 4), 2, 0.5)
     ranks = [plan.data_rank(SimpleNamespace(process_index=i)) for i in range(8)]
     assert ranks == [0, 0, 1, 1, 2, 2, 3, 3]  # transformers' mesh (dp_replicate, fsdp, tp): tp innermost
     plan = mesh_plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=2)
-    assert (plan.label, plan.mesh, plan.tp_data) == ("hsdp_tp", "dp_replicate=2,dp_shard=2,tp=2", (2, 2))
+    assert (plan.label, plan.mesh, plan.fsdp_data) == ("hsdp_tp", "dp_replicate=2,dp_shard=2,tp=2", (2, 2))
     with pytest.raises(DisttrainError, match=r"dp_replicate_size=1 x dp_shard_size=2 x tp_size=2 must equal the 8 "
                                              r"processes launched"):
         mesh_plan(monkeypatch, 8, tp=2, dp_shard=2, dp_replicate=1)

@@ -75,7 +75,7 @@ def plan_of(config: str):
 
     c = COLUMN[config]
     label = {"single_gpu": "single"}.get(config, config)
-    return ParallelPlan(c.strategy, label, None, 2, None, c.sp, c.cp, c.tp, c.tp_data)
+    return ParallelPlan(c.strategy, label, None, 2, None, c.sp, c.cp, c.tp, c.ep, c.fsdp_data)
 
 
 def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, monkeypatch) -> str | None:
@@ -94,10 +94,12 @@ def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, mo
     return None
 
 
-def model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs=None) -> Path:
+def model_for(feature, config, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs=None) -> Path:
+    """The feature's model: its mixture-of-experts or vision-language model, else the tiny Llama; under expert
+    parallelism, which splits experts, every text feature runs on the tiny Qwen3-MoE."""
     if feature.vision:
         return tiny_vlm_dirs["gemma3"]
-    return tiny_moe_dir if feature.moe else tiny_model_dir
+    return tiny_moe_dir if feature.moe or COLUMN[config].ep > 1 else tiny_model_dir
 
 
 CELLS = [(f, c) for f in FEATURES for c in matrix.CONFIGS]
@@ -108,8 +110,8 @@ CELLS = [(f, c) for f in FEATURES for c in matrix.CONFIGS]
 def test_refused_cells_are_refused_in_one_line_before_anything_loads(feature, config, tiny_model_dir, tiny_moe_dir,
                                                                      tiny_vlm_dirs, tmp_path, monkeypatch):
     expected = matrix.cell(feature.key, config)
-    said = checked(feature, config, expected.on_gpu, model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs),
-                   tmp_path, monkeypatch)
+    model = model_for(feature, config, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs)
+    said = checked(feature, config, expected.on_gpu, model, tmp_path, monkeypatch)
     assert said is not None, f"{feature.key} under {config} is declared refused but passes the checks"
     assert expected.says in said and "\n" not in said, said
 
@@ -118,7 +120,7 @@ def test_refused_cells_are_refused_in_one_line_before_anything_loads(feature, co
                          ids=lambda x: getattr(x, "key", x))
 def test_gpu_only_cells_are_refused_without_a_gpu_and_pass_with_one(feature, config, tiny_model_dir, tiny_moe_dir,
                                                                     tmp_path, monkeypatch):
-    model = model_for(feature, tiny_model_dir, tiny_moe_dir)
+    model = model_for(feature, config, tiny_model_dir, tiny_moe_dir)
     said = checked(feature, config, False, model, tmp_path, monkeypatch)
     assert said is not None and "GPU" in said and "\n" not in said, said
     assert checked(feature, config, True, model, tmp_path, monkeypatch) is None
@@ -128,8 +130,8 @@ def test_gpu_only_cells_are_refused_without_a_gpu_and_pass_with_one(feature, con
                          ids=lambda x: getattr(x, "key", x))
 def test_proven_cells_pass_the_checks(feature, config, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs, tmp_path,
                                      monkeypatch):
-    said = checked(feature, config, False, model_for(feature, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs), tmp_path,
-                   monkeypatch)
+    model = model_for(feature, config, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs)
+    said = checked(feature, config, False, model, tmp_path, monkeypatch)
     assert said is None, said
 
 
@@ -190,7 +192,7 @@ def feature_run(runs, model_dir: Path, kind: str, config: str, features, extra: 
     """The launch of `config` with `features` (one process for "single_gpu"; `extra`: the kind's variant), made
     once per session."""
     column = COLUMN[config]
-    key = f"matrix-{kind}-{config}-{'-'.join(f.key for f in features)}-{'-'.join(extra)}"
+    key = f"matrix-{kind}-{config}-{model_dir.name}-{'-'.join(f.key for f in features)}-{'-'.join(extra)}"
 
     def make(folder: Path):
         recipe = run_recipe(folder, model_dir, kind, features, column.data_ranks, "run", extra)
@@ -224,10 +226,11 @@ def compared(out: Path) -> dict[tuple[int, str], float]:
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config, kind", RUNS, ids=[f"{c}-{k}" for c, k in RUNS])
-def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir, tiny_vlm_dirs):
+def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir, tiny_moe_dir, tiny_vlm_dirs):
     features = run_features(kind, config)
     extra = variant(kind, config)
-    model_dir = tiny_vlm_dirs["gemma3"] if kind == "vision" else tiny_model_dir
+    model_dir = (tiny_vlm_dirs["gemma3"] if kind == "vision" else tiny_moe_dir if COLUMN[config].ep > 1
+                 else tiny_model_dir)
     out, stdout = feature_run(runs, model_dir, kind, config, features, extra)
     ref, ref_stdout = feature_run(runs, model_dir, kind, "single_gpu", features, extra)
     keys = {f.key for f in features}

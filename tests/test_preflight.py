@@ -49,11 +49,16 @@ SHIPPED = {
     "qwen3-30b-a3b/grpo_lora.yaml": "zero3",
 }
 MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mixtral-8x7b/"))]  # GRPO's too
+# the expert-parallel recipes: preflight under fsdp_ep and compared with DDP in tests/test_expert_parallel.py
+EXPERT_PARALLEL = ("qwen3-30b-a3b/full_sft_ep.yaml", "qwen3-30b-a3b/lora_sft_ep.yaml", "mixtral-8x7b/lora_sft_ep.yaml")
 
 
 def test_every_shipped_recipe_is_covered():
+    from test_expert_parallel import EP_RECIPES
+
     shipped = {str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes").rglob("*.yaml")}
-    assert shipped == set(SHIPPED)
+    assert set(EP_RECIPES) == set(EXPERT_PARALLEL)
+    assert shipped == set(SHIPPED) | set(EXPERT_PARALLEL)
 
 
 # what preflight proves is that the recipe trains, checkpoints, resumes and exports; the end-of-run samples and

@@ -1,5 +1,5 @@
 """scripts/slurm/train.sbatch renders, for every shipped config, the launch line the Make targets run: the same
-config, processes, machines and mesh flags (HSDP, Ulysses, CP, TP, FSDP2 + TP), which it takes from the one
+config, processes, machines and mesh flags (HSDP, Ulysses, CP, TP, FSDP2 + TP, EP's size), which it takes from the one
 definition in the Makefile (`make mesh-flags`). Before, it passed no mesh flags, so every mesh config (the
 shipped 2-node HSDP recipe included) was refused."""
 
@@ -13,9 +13,10 @@ from conftest import REPO
 
 # config -> its make target (the configs a multi-node job runs: every one but the single process)
 TARGETS = {config: "train-" + config.replace("_", "-") for config in
-           ("ddp", "fsdp", "fsdp_offload", "hsdp", "fsdp_cp", "tp", "fsdp_tp", "zero1", "zero2", "zero3",
+           ("ddp", "fsdp", "fsdp_offload", "hsdp", "fsdp_cp", "tp", "fsdp_tp", "fsdp_ep", "zero1", "zero2", "zero3",
             "zero3_offload", "zero3_ulysses")}
 FLAGS = re.compile(r"--(config_file|num_processes|num_machines|machine_rank|parallelism_config_\w+)[ =](\S+)")
+EP_SIZE = re.compile(r"PARALLELISM_CONFIG_EP_SIZE=(\d+)")  # expert parallelism's size: in the environment
 
 
 def _arithmetic(line: str) -> str:
@@ -44,8 +45,9 @@ def test_the_sbatch_line_is_the_make_targets_line(config):
     expected["config_file"] = os.path.relpath(expected["config_file"], REPO) if os.path.isabs(expected["config_file"]) \
         else expected["config_file"]
     assert ours == expected
-    if config in ("hsdp", "fsdp_cp", "tp", "fsdp_tp", "zero3_ulysses"):
+    if config in ("hsdp", "fsdp_cp", "tp", "fsdp_tp", "fsdp_ep", "zero3_ulysses"):
         assert any(name.startswith("parallelism_config_") for name in ours)
+    assert EP_SIZE.findall(nodes[1]) == EP_SIZE.findall(make.stdout) == (["4"] if config == "fsdp_ep" else [])
 
 
 def test_the_log_dir_slurm_writes_to_ships_with_the_repository():

@@ -40,6 +40,8 @@ class Family:
     kv_heads: int
     windowed_layers: frozenset[str] = field(default_factory=frozenset)  # layer types that do not attend in full
     vision: bool = False  # a vision-language model: an image encoder beside the language model (model/parts.py)
+    # transformers ships an expert-parallel plan for it that sends the tokens to their experts (base_model_ep_plan)
+    ep_plan: bool = False
 
     @classmethod
     def of(cls, config) -> Family:
@@ -61,7 +63,8 @@ class Family:
                    tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
                    tp_plan=bool(getattr(text, "base_model_tp_plan", None)), heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, windowed_layers=frozenset(windowed),
-                   vision=getattr(config, "vision_config", None) is not None)
+                   vision=getattr(config, "vision_config", None) is not None,
+                   ep_plan="ep_dispatch_experts" in (getattr(text, "base_model_ep_plan", None) or {}).values())
 
     @classmethod
     def of_recipe(cls, spec) -> Family:

@@ -89,10 +89,11 @@ def _router_kwargs(spec: ModelSection) -> dict:
 
 
 def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = False, local_device: int | None = None,
-               tp: int = 1, tp_data: tuple[int, int] = (1, 1), bf16: bool = False, head: str = "causal_lm",
-               pad_token_id: int | None = None):
+               tp: int = 1, ep: int = 1, fsdp_data: tuple[int, int] = (1, 1), bf16: bool = False,
+               head: str = "causal_lm", pad_token_id: int | None = None):
     """`sharded`: FSDP or ZeRO-3 will shard the weights; `local_device`: this rank's GPU index, if any; `tp`:
-    tensor-parallel ranks, which transformers splits the weights over by the model's own plan, and `tp_data`
+    tensor-parallel ranks, which transformers splits the weights over by the model's own plan, `ep` the
+    expert-parallel ranks each MoE block's experts are split over by its expert-parallel plan, and `fsdp_data`
     the (replicas, shards) of the FSDP2 it lays over them (`bf16`: its all-gathers in bf16, reductions in fp32).
     `head`: causal_lm (the language model), or score (a reward model: the same body with transformers' one-label
     sequence-classification head, new, read at each row's last token before `pad_token_id`)."""
@@ -109,7 +110,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
         use_safetensors=True,  # never unpickle weights
         **_quantization_kwargs(spec, sharded, local_device), **_router_kwargs(spec),
-        **_tensor_parallel_kwargs(tp, tp_data, bf16), **kwargs)
+        **_distributed_kwargs(tp, ep, fsdp_data, bf16), **kwargs)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     if spec.gradient_checkpointing:
         # non-reentrant: works with LoRA's frozen inputs, FSDP2 and torch.compile
@@ -128,16 +129,18 @@ def frozen_parts(spec: ModelSection) -> tuple[str, ...]:
     return tuple(spec.freeze) if spec.freeze is not None else parts.DEFAULT_FROZEN
 
 
-def _tensor_parallel_kwargs(tp: int, tp_data: tuple[int, int], bf16: bool) -> dict:
-    """transformers splits the weights by the model's own plan as it loads them, and shards them over the data
-    ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm with lm_head)."""
-    if tp == 1:
+def _distributed_kwargs(tp: int, ep: int, fsdp_data: tuple[int, int], bf16: bool) -> dict:
+    """transformers splits the weights by the model's own plans as it loads them (tensor parallelism: every weight
+    matrix; expert parallelism: each MoE block's experts, with the all-to-all that brings them their tokens), and
+    shards them over the data ranks with FSDP2 by its FSDP plan (the decoder layers, the embeddings, the final norm
+    with lm_head; the experts over the processes holding the same ones)."""
+    if tp == 1 and ep == 1:
         return {}
     from transformers.distributed import DistributedConfig
 
-    replicas, shards = tp_data  # the model's config was checked against them before the launch (compat)
-    return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan="auto", fsdp_size=shards,
-                                                    dp_replicate_size=replicas,
+    replicas, shards = fsdp_data  # the model's config was checked against them before the launch (compat)
+    split = {"tp_size": tp, "tp_plan": "auto"} if tp > 1 else {"ep_size": ep}
+    return {"distributed_config": DistributedConfig(**split, fsdp_size=shards, dp_replicate_size=replicas,
                                                     fsdp_mixed_precision=bf16 and replicas * shards > 1)}
 
 

@@ -155,6 +155,66 @@ def _check_tensor_parallel_family(family: Family, tp: int, data_parallel: int) -
                              "fsdp.yaml")
 
 
+EXPERT_PARALLEL_CONFIG = "accelerate_configs/fsdp_ep.yaml"
+# the MLP's projections: on a mixture of experts peft maps them (and "all-linear") onto the fused experts' weights
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3")
+
+
+def check_expert_parallel(recipe: Recipe, ep: int) -> None:
+    """Expert parallelism is verified here for the SFT objective on map-style data, under the chunked and the plain
+    loss, full fine-tuning and LoRA on the layers outside the experts; the rest is refused, not guessed."""
+    lora, t = recipe.lora, recipe.training
+    refused = [(lora is not None and (lora.use_dora or bool(lora.target_parameters) or bool(lora.modules_to_save)),
+                "lora.use_dora, lora.target_parameters or lora.modules_to_save (adapters on split experts or "
+                "whole copies of a split layer, unverified here; LoRA on attention trains)"),
+               (recipe.model.quantization is not None, "model.quantization (4-bit experts split over processes, "
+                "unverified here)"),
+               (t.mixed_precision == "fp16", "training.mixed_precision=fp16 (its loss scaler's overflow check must "
+                "agree across the processes' expert shards, unverified here; use bf16)"),
+               (t.optimizer != "adamw", f"training.optimizer={t.optimizer} (on split experts, unverified here)"),
+               (t.objective != "sft", f"training.objective={t.objective}"),
+               (recipe.data.streaming, "data.streaming=true"),
+               (t.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head reads lm_head whole)"),
+               (t.compile, "training.compile=true (the token exchange reads its split sizes on the host)")]
+    for found, what in refused:
+        if found:
+            raise DisttrainError(f"{what} is not supported under expert parallelism ({EXPERT_PARALLEL_CONFIG}, "
+                                 f"ep {ep}) yet; train it under fsdp.yaml or a ZeRO config")
+
+
+def check_expert_parallel_model(recipe: Recipe, ep: int, data: tuple[int, int]) -> None:
+    """What only the model's config says about expert parallelism, before any weight: a mixture of experts with
+    transformers' expert-parallel plan, experts that divide over the ep processes, separate input and output
+    embeddings (transformers' FSDP2 would shard them apart, as under FSDP2 + TP), a text model."""
+    family = Family.of_recipe(recipe.model)
+    name, where = f"{recipe.model.name_or_path} ({family.name})", EXPERT_PARALLEL_CONFIG
+    if not family.moe:
+        raise DisttrainError(f"{name} is a dense model: expert parallelism ({where}) splits a mixture of experts' "
+                             "experts over processes; use fsdp.yaml (or fsdp_tp.yaml) for it")
+    if not family.ep_plan:
+        raise DisttrainError(f"{name} has no expert-parallel plan in transformers (base_model_ep_plan with "
+                             f"ep_dispatch_experts); it cannot train under {where}: use fsdp.yaml or a ZeRO config")
+    experts = family.routing[0]
+    if experts % ep:
+        raise DisttrainError(f"{name} has {experts} experts per block: expert parallelism over {ep} processes needs "
+                             f"them divisible by {ep} (each holds whole experts); make train-fsdp-ep EP=N with N "
+                             f"dividing {experts}")
+    if family.tied_embeddings and data[0] * data[1] > 1:
+        raise DisttrainError(f"{name} ties its input and output embeddings (tie_word_embeddings): under {where} "
+                             "transformers shards the two in separate FSDP2 groups and lm_head would train a stale "
+                             "copy; use fsdp.yaml")
+    if family.vision:
+        raise DisttrainError(f"{name} is a vision-language model: expert parallelism for it is unverified here; use "
+                             "fsdp.yaml or a ZeRO config")
+    targets = recipe.lora.target_modules if recipe.lora is not None else []
+    on_experts = [targets] if isinstance(targets, str) else [t for t in targets if t in MLP_PROJECTIONS]
+    if on_experts:
+        raise DisttrainError(f"lora.target_modules={','.join(on_experts)} on {name}: peft adapts a mixture of "
+                             f"experts' fused expert (and router) weights for it, which {where} splits over "
+                             "processes (unverified here); name the attention layers, e.g. [q_proj, k_proj, v_proj, "
+                             "o_proj]")
+
+
 def check_model_config(recipe: Recipe, sp: int, cp: int, tp: int, data_parallel: int) -> None:
     """What only the model's config says about the sequence and tensor-parallel meshes and about the recipe's
     vision-language fields, read (config.json only) before any weight: the recipe's router loss switched on as

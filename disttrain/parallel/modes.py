@@ -10,6 +10,8 @@ mesh. A new mesh is a class here (with its config file and make target) and a li
     Ring           torch's context parallelism under FSDP2: cp processes per sequence around the attention ring
     Tensor         tensor parallelism alone or under FSDP2 (transformers' plan): tp processes per batch, each
                    holding 1/tp of the split weights
+    Expert         expert parallelism under FSDP2 (transformers' plans): every process reads its own rows, each
+                   holds 1/ep of every MoE block's experts and the tokens travel to them
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class DataParallel:
     def load_kwargs(self) -> dict:
         """What model loading needs of the mode: nothing (accelerate wraps or shards after loading)."""
         return {}
+
+    def prepare_model(self, accelerator, model):
+        """The model before accelerate prepares it with the rest: as loaded (accelerate wraps or shards it)."""
+        return model
 
 
 class Ulysses(DataParallel):
@@ -154,7 +160,42 @@ class Tensor(DataParallel):
 
     def load_kwargs(self) -> dict:
         """transformers splits (and under FSDP2 + TP shards) the model as it loads it (model/loading.py)."""
-        return {"tp": self.tp, "tp_data": self.data}
+        return {"tp": self.tp, "fsdp_data": self.data}
+
+
+class Expert(DataParallel):
+    """Expert parallelism under FSDP2, both laid out by transformers as it loads the model (its expert-parallel
+    plan: each MoE block's experts split over groups of ep processes, the tokens sent to their experts and back by
+    all-to-all; its FSDP plan over the `data` replicas x shards for the rest, and for the experts over the
+    processes holding the same ones). Every process reads its own rows and draws its own stream, as under FSDP2;
+    accelerate leaves the model as it is; the gradient reduction waits for the window's last micro-batch, and
+    LoRA's adapters, which peft adds after transformers' FSDP2 and which no FSDP2 group reduces, are averaged over
+    the processes then, as DDP averages them."""
+
+    def __init__(self, ep: int, data: tuple[int, int]):
+        self.ep, self.data = ep, data
+
+    def micro_batch_context(self, accelerator, model):
+        _ReplicatedGradients.install(accelerator, model)
+        return lambda batch: _reduce_on_last_micro_batch(accelerator, model, replicas=self.data[0])
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        checks.check_expert_parallel(recipe, self.ep)
+
+    def check_model(self, recipe) -> None:
+        checks.check_model_config(recipe, 1, 1, 1, 1)
+        checks.check_expert_parallel_model(recipe, self.ep, self.data)
+
+    def load_kwargs(self) -> dict:
+        """transformers splits the experts and shards the model as it loads it (model/loading.py)."""
+        return {"ep": self.ep, "fsdp_data": self.data}
+
+    def prepare_model(self, accelerator, model):
+        """accelerate's own preparation (mixed precision's autocast) without its wrapping: on a MULTI_GPU launch
+        it would wrap the FSDP2 model in DDP, which refuses DTensor parameters."""
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+        model._is_accelerate_prepared = True  # accelerator.prepare(model, ...) then keeps it as it is
+        return model
 
 
 @contextmanager
@@ -172,12 +213,55 @@ def _reduce_on_last_micro_batch(accelerator, model, replicas: int):
         model.set_requires_gradient_sync(True)
 
 
-def mode_for(sp: int = 1, cp: int = 1, tp: int = 1, tp_data: tuple[int, int] = (1, 1)) -> DataParallel:
+class _ReplicatedGradients:
+    """The trainable parameters outside transformers' FSDP2 (LoRA's adapters, which peft adds after it: whole on
+    every process) get their gradients averaged over the processes at the end of the window's last backward, as
+    DDP averages them: one all-reduce of them flattened, queued on autograd's engine by the first of them whose
+    gradient is complete, so it runs before the loop clips and steps (inside the micro-batch)."""
+
+    def __init__(self, accelerator, params: list):
+        self.accelerator, self.params, self.queued = accelerator, params, False
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._queue)
+
+    @classmethod
+    def install(cls, accelerator, model) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if getattr(model, "_disttrain_replicated_gradients", None) is None:
+            params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+            model._disttrain_replicated_gradients = cls(accelerator, params) if params else False
+
+    def _queue(self, _param) -> None:
+        import torch
+
+        if self.accelerator.sync_gradients and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+
+    def _average(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.queued = False
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def mode_for(sp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, fsdp_data: tuple[int, int] = (1, 1)) -> DataParallel:
     """The mode of a mesh read from the launch (mesh.read_mesh has refused the combinations it does not run)."""
+    if ep > 1:
+        return Expert(ep, fsdp_data)
     if sp > 1:
         return Ulysses(sp)
     if cp > 1:
         return Ring(cp)
     if tp > 1:
-        return Tensor(tp, tp_data)
+        return Tensor(tp, fsdp_data)
     return DataParallel()

@@ -16,9 +16,13 @@ process, accelerate_configs/tp.yaml) makes all processes one group around the sa
 every split weight and counts 1/tp of the batch in the metrics (`share`), and its gradients need no averaging
 (the loss's denominator, summed over tp identical counts and divided by the processes, is the batch's own).
 FSDP2 + TP (accelerate_configs/fsdp_tp.yaml: tp x dp_shard, optionally x dp_replicate) keeps the tp groups and
-lays FSDP2 over them, as transformers does it at load time (`tp_data`): the data rank is process // tp, FSDP
+lays FSDP2 over them, as transformers does it at load time (`fsdp_data`): the data rank is process // tp, FSDP
 averages the gradients over the data ranks (the denominator, tp identical counts per group, divided by the
 processes, is the groups' mean: exact again). Context and sequence parallelism do not combine with TP.
+Expert parallelism (accelerate_configs/fsdp_ep.yaml: dp_shard, optionally x dp_replicate, the experts split over
+ep of each replica's processes) is data-parallel for every dense weight: each process reads its own rows and draws
+its own stream, transformers' FSDP2 averages the dense gradients over all processes and the experts' (whose tokens
+came to them by all-to-all from every process of their group) over the same count, as one process's mean.
 """
 
 from __future__ import annotations
@@ -41,17 +45,20 @@ class ParallelPlan:
     sp: int = 1  # processes that share each sequence, each keeping 1/sp of it (Ulysses)
     cp: int = 1  # processes that share each sequence around the attention ring (context parallelism)
     tp: int = 1  # processes that share each batch whole, each holding 1/tp of the weights (tensor parallelism)
-    tp_data: tuple[int, int] = (1, 1)  # around tensor parallelism: (replicas, shards) of FSDP2 over the tp groups
+    ep: int = 1  # processes that split each MoE block's experts between them (expert parallelism)
+    # around tensor or expert parallelism: (replicas, shards) of the FSDP2 transformers lays over the processes
+    fsdp_data: tuple[int, int] = (1, 1)
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
-        mesh, sp, cp, tp, tp_data = read_mesh(launcher_strategy(), world_size())
-        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh, sp, cp, tp, tp_data)
+        mesh = read_mesh(launcher_strategy(), world_size())
+        return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh.label, mesh.sp, mesh.cp,
+                   mesh.tp, mesh.ep, mesh.fsdp_data)
 
     @cached_property
     def mode(self) -> DataParallel:
         """The mode object that answers every question the mesh decides (modes.py)."""
-        return mode_for(self.sp, self.cp, self.tp, self.tp_data)
+        return mode_for(self.sp, self.cp, self.tp, self.ep, self.fsdp_data)
 
     @property
     def group(self) -> int:
@@ -87,8 +94,14 @@ class ParallelPlan:
         self.mode.check_model(recipe)
 
     def load_kwargs(self) -> dict:
-        """What model loading needs to know of the mesh (tensor parallelism: transformers splits as it loads)."""
+        """What model loading needs to know of the mesh (tensor or expert parallelism: transformers splits as it
+        loads)."""
         return self.mode.load_kwargs()
+
+    def prepare_model(self, accelerator, model):
+        """The model through accelerate before the rest is prepared with it (modes.py: what accelerate must leave
+        as it is)."""
+        return self.mode.prepare_model(accelerator, model)
 
     def data_rank(self, accelerator) -> int:
         """Which share of the data this process reads: the processes of a group read the same."""

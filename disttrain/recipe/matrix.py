@@ -29,7 +29,8 @@ class Column:
     sp: int = 1
     cp: int = 1
     tp: int = 1
-    tp_data: tuple[int, int] = (1, 1)
+    ep: int = 1  # expert parallelism: its runs use the tiny mixture of experts (a dense model is refused)
+    fsdp_data: tuple[int, int] = (1, 1)
 
 
 COLUMNS = (
@@ -45,7 +46,8 @@ COLUMNS = (
     Column("zero3_ulysses", "ZeRO-3 + Ulysses (sp 2)", 2, 1, "deepspeed", sp=2),
     Column("fsdp_cp", "FSDP2 + CP (cp 2)", 2, 1, "fsdp", cp=2),
     Column("tp", "TP (tp 2)", 2, 1, "ddp", tp=2),
-    Column("fsdp_tp", "FSDP2 + TP (2 x tp 2)", 4, 2, "ddp", tp=2, tp_data=(1, 2)),
+    Column("fsdp_tp", "FSDP2 + TP (2 x tp 2)", 4, 2, "ddp", tp=2, fsdp_data=(1, 2)),
+    Column("fsdp_ep", "FSDP2 + EP (ep 2)", 2, 2, "ddp", ep=2, fsdp_data=(1, 2)),
 )
 CONFIGS = tuple(c.config for c in COLUMNS)
 
@@ -164,6 +166,10 @@ FSDP_FAMILY = ("fsdp", "fsdp_offload", "hsdp")
 DATA_PARALLEL = ("ddp", *FSDP_FAMILY, *ZERO)  # every process a data rank
 SEQUENCE = ("zero3_ulysses", "fsdp_cp")
 TENSOR = ("tp", "fsdp_tp")
+EPT = "tests/test_expert_parallel.py"
+EP_PREFLIGHT = f"{EPT}::test_shipped_moe_recipes_preflight_under_expert_parallelism_and_train_like_ddp"
+EP_REFUSAL = "is not supported under expert parallelism"
+ALL_LINEAR_ON_EXPERTS = "lora.target_modules=all-linear on"
 
 
 def _run(kind: str, note: str = "") -> Proven:
@@ -224,6 +230,9 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_cp": Proven((f"{CPT}::test_context_parallelism_trains_like_one_process[full]",)),
         "tp": Proven((f"{TPT}::test_tensor_parallelism_trains_like_one_process[chunked]",)),
         "fsdp_tp": Proven((f"{FTP}::test_fsdp2_with_tensor_parallelism_trains_like_one_process",)),
+        "fsdp_ep": Proven((f"{EPT}::test_experts_on_two_of_four_processes_train_like_one_process_and_resume_exactly",
+                           f"{EPT}::test_replicas_of_the_expert_parallel_group_train_like_one_process",
+                           f"{EP_PREFLIGHT}[qwen3-30b-a3b/full_sft_ep.yaml]")),
     },
     "lora": {
         "single_gpu": Proven((f"{S}[ddp-lora]",), SINGLE_REFERENCE),
@@ -233,19 +242,25 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_cp": Proven((f"{CPT}::test_context_parallelism_trains_like_one_process[lora]",)),
         "tp": Proven((f"{TPT}::test_lora_under_tensor_parallelism_trains_like_one_process_and_resumes_exactly",)),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+        # the row's target_modules (all-linear) adapt the experts on a mixture of experts; LoRA on attention is
+        # proven: tests/test_expert_parallel.py (the Mixtral recipe, LoRA with dropout)
+        "fsdp_ep": Refused(ALL_LINEAR_ON_EXPERTS),
     },
     "lora_dropout": {
         **_each(CONFIGS, lambda c: _run("noise")),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+        "fsdp_ep": Refused(ALL_LINEAR_ON_EXPERTS),
     },
     "dora": {
         **_each(CONFIGS, lambda c: _run("adapters", "with rsLoRA on: each sets its own field")),
         "tp": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save"),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+        "fsdp_ep": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save (adapters on split"),
     },
     "rslora": {
         **_each(CONFIGS, lambda c: _run("adapters", "with DoRA on where DoRA runs: each sets its own field")),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+        "fsdp_ep": Refused(ALL_LINEAR_ON_EXPERTS),
     },
     "expert_lora": {
         "single_gpu": Proven((f"{MOE_RESUME}[qwen3-30b-a3b/lora_sft.yaml]",), SINGLE_REFERENCE),
@@ -259,6 +274,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(SEQUENCE, lambda c: Refused("lora.target_parameters (LoRA on fused experts) is not supported under")),
         "tp": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save"),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP"),
+        "fsdp_ep": Refused("lora.use_dora, lora.target_parameters or lora.modules_to_save (adapters on split"),
     },
     "qlora": {
         **_each(("single_gpu", "ddp", *ZERO, "zero3_ulysses"),
@@ -266,6 +282,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each((*FSDP_FAMILY, "fsdp_cp"), lambda c: Refused("under FSDP2 is unverified on GPU", on_gpu=True)),
         "tp": Refused("model.quantization (QLoRA's 4-bit weights", on_gpu=True),
         "fsdp_tp": Refused("a lora section under FSDP2 + TP", on_gpu=True),
+        "fsdp_ep": Refused("model.quantization (4-bit experts", on_gpu=True),
     },
     "neftune": _each(CONFIGS, lambda c: _run("noise")),
     "packing": {
@@ -287,6 +304,7 @@ CELLS: dict[str, dict[str, Cell]] = {
                                  "another by design")),
         **_each(SEQUENCE, lambda c: Refused("data.streaming=true is not supported under accelerate_configs/")),
         **_each(TENSOR, lambda c: Refused("data.streaming=true " + TP_REFUSAL)),
+        "fsdp_ep": Refused("data.streaming=true " + EP_REFUSAL),
     },
     "mixture": _each(CONFIGS, lambda c: _run("adapters")),
     "dpo": {
@@ -296,27 +314,32 @@ CELLS: dict[str, dict[str, Cell]] = {
         "hsdp": _run("preference", "LoRA, preference.loss=ipo"),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),
     },
     "dpo_losses": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("preference", f"LoRA, preference.loss="
                                                              f"{PREFERENCE_LOSS[c]}: one loss per config, in turn")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),
     },
     "grpo": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("rl", ", ".join(RL_VARIANT[c]))),
         **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=grpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=grpo " + EP_REFUSAL),
     },
     "reward_model": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("reward", ", ".join(REWARD_VARIANT[c]) or "full")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=reward is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=reward " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=reward " + EP_REFUSAL),
     },
     "vlm": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("vision", ", ".join(VISION_VARIANT[c]) or
                                                            "the image encoder frozen")),
         **_each((*SEQUENCE, *TENSOR), lambda c: Refused(VISION_REFUSAL)),
+        "fsdp_ep": Refused("is a dense model"),  # the tiny Gemma-3-shaped model; a vision MoE: refused too
     },
     "scoring": _each(CONFIGS, lambda c: _run("adapters")),
     "samples": _each(CONFIGS, lambda c: _run("adapters")),
@@ -326,6 +349,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         "ddp": Proven((f"{COMPILE}[ddp]",)),
         "fsdp": Proven((f"{COMPILE}[fsdp]",)),
         **_each(TENSOR, lambda c: Refused("training.compile=true " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.compile=true (the token exchange"),
     },
     "grad_ckpt": _each(CONFIGS, lambda c: _run("adapters")),
     "router_loss": {
@@ -342,17 +366,22 @@ CELLS: dict[str, dict[str, Cell]] = {
                            "[qwen3-30b-a3b/full_sft.yaml-ddp]",),
                           "equal to DDP on the same micro-batches (the router loss is per micro-batch, as one "
                           "process with the same micro-batches computes it)"),
+        "fsdp_ep": Proven((f"{EP_PREFLIGHT}[qwen3-30b-a3b/full_sft_ep.yaml]",
+                           f"{EP_PREFLIGHT}[mixtral-8x7b/lora_sft_ep.yaml]"),
+                          "equal to DDP on the same micro-batches, as under FSDP2 + TP"),
     },
     "loss_plain": _each(CONFIGS, lambda c: _run("full")),
     "loss_trl": {
         **_each(CONFIGS, lambda c: _run("adapters")),
         **_each(TENSOR, lambda c: Refused("training.loss_impl=trl (TRL's fused head reads lm_head whole) "
                                           + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.loss_impl=trl (TRL's fused head reads lm_head whole) " + EP_REFUSAL),
     },
     "bf16": _each(CONFIGS, lambda c: _run("noise", "bf16 autocast / FSDP2 bf16 compute: within the noise tolerance")),
     "fp16": {
         **_each(CONFIGS, lambda c: NeedsGpu("full_fp16" if c == "single_gpu" else None)),
         **_each(TENSOR, lambda c: Refused("training.mixed_precision=fp16 (its loss scaler", on_gpu=True)),
+        "fsdp_ep": Refused("training.mixed_precision=fp16 (its loss scaler", on_gpu=True),
     },
     "eval_sets": _each(CONFIGS, lambda c: _run("adapters")),
     "adamw_8bit": {
@@ -363,6 +392,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each((*ZERO, "zero3_ulysses"), lambda c: Refused("training.optimizer=adamw_8bit is not supported with "
                                                            "deepspeed", on_gpu=True)),
         **_each(TENSOR, lambda c: Refused("training.optimizer=adamw_8bit (on tensor-parallel DTensors", on_gpu=True)),
+        "fsdp_ep": Refused("training.optimizer=adamw_8bit (on split experts", on_gpu=True),
     },
     "offload_activations": _each(CONFIGS, lambda c: _run("full")),
     "time_checkpoints": _each(CONFIGS, lambda c: _run("full", "a checkpoint at every step, each complete")),

@@ -50,19 +50,35 @@ def zero_stage() -> int | None:
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # accelerate's ParallelismConfig, in its order
+# Expert parallelism: accelerate's ParallelismConfig has no such dimension, so its size travels in a variable
+# named like accelerate's own (make train-fsdp-ep EP=N sets it); unset, every process of a replica holds a slice
+EXPERT_PARALLEL_ENV = "PARALLELISM_CONFIG_EP_SIZE"
 
 
 def mesh_sizes() -> dict[str, int] | None:
     """The mesh `accelerate launch` set from a config's `parallelism_config:` block (or its flags), as
-    {dimension: size}; None for a one-dimensional launch."""
+    {dimension: size}, with the expert-parallel size ("ep"); None for a one-dimensional launch. A MULTI_GPU launch
+    with dp_shard_size > 1 and no tensor parallelism is expert parallelism (fsdp_ep.yaml, the one config that
+    launches so): its experts spread over each replica's processes unless PARALLELISM_CONFIG_EP_SIZE says fewer."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return None
-    return {dim: int(os.environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
+    sizes = {dim: int(os.environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
+    expert_launch = launcher_strategy() == "ddp" and sizes["tp"] == 1 and sizes["dp_shard"] > 1
+    sizes["ep"] = int(os.environ.get(EXPERT_PARALLEL_ENV) or (sizes["dp_shard"] if expert_launch else 1))
+    return sizes
+
+
+def laid_out_by_transformers() -> bool:
+    """Tensor or expert parallelism: transformers splits (and shards) the model as it loads it, on a MULTI_GPU
+    launch that accelerate must leave as it is."""
+    mesh = mesh_sizes() or {}
+    return launcher_strategy() == "ddp" and (mesh.get("tp", 1) > 1 or mesh.get("ep", 1) > 1)
 
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, tp, fsdp_tp, hsdp_tp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload, zero3_ulysses."""
+    ddp, tp, fsdp_tp, hsdp_tp, fsdp_ep, hsdp_ep, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload,
+    zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
@@ -72,6 +88,8 @@ def run_label() -> str:
     if strategy == "ddp" and mesh and mesh["tp"] > 1:  # alone, or under FSDP2 (replicas x shards around it)
         return {(False, False): "tp", (False, True): "fsdp_tp"}.get(
             (mesh["dp_replicate"] > 1, mesh["dp_shard"] > 1), "hsdp_tp")
+    if strategy == "ddp" and mesh and mesh["ep"] > 1:
+        return "hsdp_ep" if mesh["dp_replicate"] > 1 else "fsdp_ep"
     if strategy == "deepspeed":
         stage, offload = _deepspeed_zero()
         ulysses = "_ulysses" if mesh and mesh["sp"] > 1 else ""
@@ -186,7 +204,7 @@ def build_accelerator(recipe: Recipe):
         with fsdp_branch_on_cpu(pg_kwargs.timeout):
             accelerator = Accelerator(**kwargs)
         unpin_offload(accelerator)
-    elif strategy == "ddp" and not gpu and (mesh_sizes() or {}).get("tp", 1) > 1:
+    elif not gpu and laid_out_by_transformers():
         from disttrain.runtime.fsdp_cpu import tensor_parallel_on_cpu
 
         with tensor_parallel_on_cpu(pg_kwargs.timeout):

@@ -43,7 +43,10 @@ STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_o
 # split over all of them, as FSDP2 would shard it; FSDP2 + TP: split over tp, sharded over the tp groups, so
 # again 1/GPUs of every weight, with replicas (hsdp_tp) 1/(GPUs / replicas))
 MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fsdp", "fsdp_tp": "fsdp",
-          "hsdp_tp": "fsdp"}
+          "hsdp_tp": "fsdp", "fsdp_ep": "fsdp", "hsdp_ep": "fsdp"}
+# Expert parallelism (--ep) shards the states as FSDP2 does over the same GPUs (a replica's): the dense weights
+# over all of them, each expert whole on one of ep GPUs and sharded over the dp_shard / ep that hold it, so again
+# 1/GPUs of everything. What it changes is the traffic: expert_traffic_gb below.
 # Assumed MFU per strategy when nothing measured is given (the seed chapter's planning figures; offload
 # moves weights over PCIe every step; HSDP's gathers stay inside a node, as FSDP2's on one node; Ulysses adds
 # four all-to-alls per layer and pass; the ring exchanges every layer's keys and values, overlapped only in
@@ -51,7 +54,9 @@ MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fs
 # --bench for real planning.
 ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3": 0.28,
                "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28,
-               "tp": 0.30, "fsdp_tp": 0.30, "hsdp_tp": 0.30}
+               "tp": 0.30, "fsdp_tp": 0.30, "hsdp_tp": 0.30,
+               # assumed as FSDP2's (the FLOPs are the same): EP's gain is the traffic it saves, shown beside
+               "fsdp_ep": 0.35, "hsdp_ep": 0.35}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -86,6 +91,7 @@ class Workload:
     rollout_forwards: float = 0.0
     generated_share: float = 0.0
     decode_tokens_per_s: float | None = None
+    routing: tuple[int, int] | None = None  # mixture of experts: (experts per block, experts per token)
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -190,7 +196,28 @@ def reference_flops_per_token(w: Workload) -> float:
     return 2.0 * w.params if w.shape is None else forward_flops_per_token(w.shape, w.seq_len)
 
 
-def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 1
+def expert_traffic_gb(w: Workload, n_gpus: int, ep: int, hsdp_replicas: int = 1) -> dict[str, float] | None:
+    """Per GPU and micro-batch, the experts' traffic (bf16 weights and activations; fp32 gradient reductions):
+    FSDP2 / ZeRO-3 gather every expert's weights for the forward and again for the backward (and the recompute,
+    with gradient checkpointing), and reduce-scatter their gradients in full fine-tuning; expert parallelism sends
+    each token's hidden state to its k experts and back, forward and backward (and again in the recompute), to the
+    (ep - 1) / ep of them on other GPUs, and gathers and reduces only over the dp_shard / ep GPUs holding the same
+    experts. None without a mixture of experts."""
+    if w.shape is None or not w.shape.expert_params or w.routing is None:
+        return None
+    shards = n_gpus // hsdp_replicas
+    passes = 2 + w.gradient_checkpointing  # weight gathers per micro-batch; token exchanges: twice as many
+    experts, trained = w.shape.expert_params, w.lora_params is None
+
+    def sharded(count: float, over: int) -> float:
+        return (passes * 2 * count + 4 * count * trained) * (over - 1) / over / 1e9 if over > 1 else 0.0
+    tokens = w.seq_len * w.micro_batch
+    exchange = 2 * passes * tokens * w.routing[1] * w.shape.hidden * 2 * w.shape.layers * (ep - 1) / ep / 1e9
+    return {"fsdp_gb": sharded(experts, shards), "ep_tokens_gb": exchange,
+            "ep_gather_gb": sharded(experts / ep, shards // ep), "row": "hsdp_ep" if hsdp_replicas > 1 else "fsdp_ep"}
+
+
+def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 1, ep: int = 1
                ) -> list[tuple[str, str, int, int, int]]:
     """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size, tensor-parallel
     size) per row."""
@@ -218,15 +245,22 @@ def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 
             rows.append(("fsdp_tp", MESHES["fsdp_tp"], n_gpus, 1, tp))
             if hsdp_replicas > 1:
                 rows.append(("hsdp_tp", MESHES["hsdp_tp"], n_gpus // hsdp_replicas, 1, tp))
+    if ep > 1:
+        if n_gpus % hsdp_replicas or (n_gpus // hsdp_replicas) % ep:
+            raise DisttrainError(f"--ep {ep} must divide the GPUs of a replica (--gpus {n_gpus} / --hsdp-replicas "
+                                 f"{hsdp_replicas})")
+        rows.append(("fsdp_ep", MESHES["fsdp_ep"], n_gpus, 1, 1))
+        if hsdp_replicas > 1:
+            rows.append(("hsdp_ep", MESHES["hsdp_ep"], n_gpus // hsdp_replicas, 1, 1))
     return rows
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
          mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1,
-         cp: int = 1, tp: int = 1) -> dict:
+         cp: int = 1, tp: int = 1, ep: int = 1) -> dict:
     total_flops = flops_per_token(w) * w.tokens
     rows = []
-    for strategy, sharding, shards, seq_shards, tensor_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp, tp):
+    for strategy, sharding, shards, seq_shards, tensor_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp, tp, ep):
         states, host = model_states_gb(w, sharding, shards)
         act = activations_gb(w, seq_shards, tensor_shards)
         need = states + (act or 0.0) + RESERVE_GB
@@ -243,7 +277,8 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
     fitting = [r for r in rows if r["fits"] and not r["tight"]] or [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: r["cost"])["strategy"] if fitting else None
     return {"flops_per_token": flops_per_token(w), "total_flops": total_flops, "gpu": asdict(gpu), "gpus": n_gpus,
-            "price_per_gpu_hour": price, "rows": rows, "recommended": best}
+            "price_per_gpu_hour": price, "rows": rows, "recommended": best, "ep": ep,
+            "expert_traffic": expert_traffic_gb(w, n_gpus, ep, hsdp_replicas) if ep > 1 else None}
 
 
 # ---------------------------------------------------------------- inputs
@@ -291,6 +326,11 @@ def _workload_from_args(args) -> tuple[Workload, str]:
         title = f"{params / 1e9:.1f}B-parameter model"
     else:
         raise DisttrainError("give --recipe, --config (a model with a shipped config) or --params")
+    routing = None
+    if args.recipe or args.config:
+        from disttrain.model.family import Family
+
+        routing = Family.of(config).routing
     lora_params = None
     if lora is not None:
         lora_params = _lora_params(config, *lora)
@@ -303,7 +343,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
                                                          "decode_tokens_per_s")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes, loss_impl, reference, **rollout), title
+                    no_sync_bytes, loss_impl, reference, **rollout, routing=routing), title
 
 
 def _rollout(recipe, args) -> dict:
@@ -404,6 +444,16 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
             f"{r['mfu']:>6.0%}  {r['mfu_source']:<10}"
             f"{_fmt_hours(r['hours']):>12}{r['gpu_hours']:>12,.0f}{'$' + format(r['cost'], ',.0f'):>12}")
     lines.append("")
+    traffic = result.get("expert_traffic")
+    if traffic:
+        lines.append(f"Experts' traffic per GPU and micro-batch: FSDP2 / ZeRO-3 gather (and reduce) "
+                     f"{traffic['fsdp_gb']:.2f} GB of expert weights; EP {result['ep']} ({traffic['row']}) sends "
+                     f"{traffic['ep_tokens_gb']:.2f} GB of tokens by all-to-all"
+                     + (f" and gathers {traffic['ep_gather_gb']:.2f} GB over the GPUs holding the same experts"
+                        if traffic["ep_gather_gb"] else "")
+                     + " (EP's states per GPU equal FSDP2's: it saves traffic, not memory; docs/expert_parallel.md).")
+    elif result.get("ep", 1) > 1:
+        lines.append("--ep: the model is not a mixture of experts (or has no shape): no expert traffic to compare.")
     if w.shape is None:
         lines.append("Activations not included (no model shape): add --config or --recipe for them.")
     if chosen:
@@ -452,6 +502,9 @@ def main(argv=None) -> None:
                     help="add a tp row (TP = GPUS: tensor parallelism alone) or fsdp_tp (and, with --hsdp-replicas, "
                          "hsdp_tp) rows (TP < GPUS: groups of TP GPUs under FSDP2): weights and part of the "
                          "activations / TP")
+    hw.add_argument("--ep", type=int, default=1,
+                    help="add fsdp_ep (and, with --hsdp-replicas, hsdp_ep) rows: a mixture of experts' experts split "
+                         "over EP GPUs of each replica, FSDP2 over the rest; and the experts' traffic it saves")
     parser.add_argument("--strategy", choices=[*STRATEGIES, *MESHES],
                         help="the strategy you plan to use (marked *)")
     parser.add_argument("--mfu", type=float, help="MFU to assume for every strategy (0-1)")
@@ -473,7 +526,7 @@ def main(argv=None) -> None:
     workload, title = _workload_from_args(args)
     mfu, source = _mfu(args)
     result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb, args.hsdp_replicas,
-                  args.sp, args.cp, args.tp)
+                  args.sp, args.cp, args.tp, args.ep)
     if args.json:
         print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
     else:

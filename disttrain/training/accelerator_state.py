@@ -1,4 +1,5 @@
-"""accelerator.save_state / load_state, with tensor-parallel weights and optimizer states written through DCP.
+"""accelerator.save_state / load_state, with the weights and optimizer states of a model transformers laid out
+(tensor parallelism, alone or under FSDP2; expert parallelism) written through DCP.
 
 Why: under tensor parallelism alone accelerate leaves the model unwrapped and saves it like a DDP model: one
 safetensors file from the main process, which cannot hold DTensors ("Attempted to access the data pointer on an
@@ -17,9 +18,11 @@ TP_STATE = "tp_state"
 
 
 def _tensor_parallel(accelerator):
-    """(model, torch optimizer) when this launch is tensor-parallel, else None."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.tp_enabled:
+    """(model, torch optimizer) when transformers laid the model out (tensor or expert parallelism: accelerate
+    left it as it is), else None."""
+    from disttrain.runtime.backends import laid_out_by_transformers
+
+    if not laid_out_by_transformers():
         return None
     (model,), (optimizer,) = accelerator._models, accelerator._optimizers
     return model, getattr(optimizer, "optimizer", optimizer)

@@ -41,6 +41,11 @@ Items (--items a,b,c picks some; default all, started in the order below):
     moe_lora                  a small Qwen3-MoE (8 experts, 2 per token): LoRA on attention and the fused experts
                               (lora.target_parameters), router loss on, bf16 under FSDP2 with transformers' GPU
                               expert kernels: finite losses, expert adapters exported, MFU in (0, 1]
+    moe_ep2                   the same Qwen3-MoE, full fine-tuning in bf16 with the router loss, under
+                              accelerate_configs/fsdp_ep.yaml on 2 GPUs (4 experts whole on each, tokens sent by
+                              all-to-all on NCCL) and under fsdp.yaml: finite losses, the first loss equal (1e-2),
+                              tokens/s of both; expected EP / FSDP2 0.7-1.3 for this small model, stated before
+                              any run (recorded, not failed, outside it); SKIP below 2 GPUs
     packing_{sdpa,flash_attention_2}
                               scripts/gpu/packing_isolation.py says packed examples are isolated, and train.py's
                               eval loss of the initial weights is the same packed and unpacked (rel 1e-2 in
@@ -78,6 +83,7 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
     full_bf16_single 28, _fsdp 30, _zero2 38, _zero3 40, streaming_resume 28 (2 launches each); lora_ddp 15,
     lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, reward_model 20, vlm_fsdp 25,
     vlm_zero3 35, moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  515 s
+    (moe_ep2 40 and the other multi-GPU items SKIP on the one lent GPU: ~2 s each)
     in all; 3 side by side: ~170-195 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 80 (8 launches)  ~200 s
     total ~7.5 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
@@ -115,7 +121,7 @@ from items.evaluation import eval_during_training  # noqa: E402
 from items.long_context import long_context_single  # noqa: E402
 from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
-from items.moe import moe_lora  # noqa: E402
+from items.moe import moe_expert_parallel, moe_lora  # noqa: E402
 from items.packing import packing  # noqa: E402
 from items.rl import grpo, reward_model  # noqa: E402
 from items.vision import vision_language  # noqa: E402
@@ -163,6 +169,7 @@ ITEMS = [
     Item("vlm_zero3", partial(vision_language, config="zero3"), 35, 150, True),
     Item("eval_during_training", eval_during_training, 30, 120, True),
     Item("moe_lora", moe_lora, 25, 90, True),
+    Item("moe_ep2", moe_expert_parallel, 40, 150, False),  # SKIP below 2 GPUs
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),
