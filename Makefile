@@ -49,6 +49,15 @@ RDZV_TIMEOUT ?= 600
 SHUTDOWN_TIMEOUT ?= 600
 HOSTFILE    ?=
 MAX_RESTARTS ?= 0
+# make k8s / make sky: the container image (this repository and its .venv at /workspace/disttrain), the claim or
+# bucket output.dir goes on, the Kubernetes kind (job: indexed Job + headless Service; pytorchjob: Kubeflow's),
+# SkyPilot's accelerator name and spot instances; OUT: the file to write (default: stdout)
+IMAGE       ?=
+PVC         ?=
+K8S_KIND    ?= job
+BUCKET      ?=
+ACCELERATOR ?= H100
+SPOT        ?= 0
 
 # One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
 # configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
@@ -84,9 +93,13 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) )))
 # ... and the one a config takes from the environment (accelerate has no expert-parallel dimension)
 MESH_ENV = $(if $(filter fsdp_ep,$(1)),PARALLELISM_CONFIG_EP_SIZE=$(EP))
+# the mesh variables of STRATEGY, handed to every node's `make train-*` by the cluster entry (k8s, sky, ray)
+CLUSTER_VARS = $(if $(filter hsdp fsdp_tp fsdp_ep,$(STRATEGY)),HSDP_REPLICAS=$(HSDP_REPLICAS)) \
+	$(if $(filter fsdp_tp,$(STRATEGY)),TP=$(TP)) $(if $(filter zero3_ulysses,$(STRATEGY)),SP=$(SP)) \
+	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance clean
+	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -102,6 +115,7 @@ help: ## list targets and variables
 	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
 	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
 	@echo "           EP=$(EP) (train-fsdp-ep: processes each MoE block's experts are split over, dividing GPUS x NODES / HSDP_REPLICAS; tokens travel to their experts)"
+	@echo "           IMAGE= PVC= K8S_KIND=$(K8S_KIND) (make k8s)  BUCKET= ACCELERATOR=$(ACCELERATOR) SPOT=$(SPOT) (make sky)  OUT=file (k8s, sky: default stdout)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
 	@echo "           STRATEGY=$(STRATEGY) (resume, preflight)  TORCH_SPEC=$(TORCH_SPEC)  TORCH_INDEX=$(TORCH_INDEX)  EXTRAS=$(EXTRAS)"
@@ -168,6 +182,20 @@ train-fsdp-tp: tiny ## FSDP2 + tensor parallelism: weights split over TP process
 
 train-fsdp-ep: tiny ## FSDP2 + expert parallelism (MoE): experts split over EP processes, tokens sent to them (HSDP across nodes)
 	$(call LAUNCH,fsdp_ep) train.py --recipe $(RECIPE) $(ARGS)
+
+k8s: setup ## Kubernetes manifests for RECIPE on NODES pods of GPUS GPUs (IMAGE=, PVC=, K8S_KIND=job|pytorchjob, OUT=file)
+	$(PY) -m disttrain.tools.k8s --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
+	--image "$(IMAGE)" --pvc "$(PVC)" --kind $(K8S_KIND) $(if $(OUT),--out $(OUT)) \
+	$(if $(filter-out 0,$(MAX_RESTARTS)),--max-restarts $(MAX_RESTARTS)) $(CLUSTER_VARS) $(ARGS)
+
+sky: setup ## a SkyPilot task for RECIPE on NODES nodes of ACCELERATOR:GPUS (BUCKET=, SPOT=1, OUT=file)
+	$(PY) -m disttrain.tools.sky --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
+	--accelerator "$(ACCELERATOR)" --bucket "$(BUCKET)" --spot $(SPOT) $(if $(OUT),--out $(OUT)) \
+	$(if $(filter-out 0,$(MAX_RESTARTS)),--max-restarts $(MAX_RESTARTS)) $(CLUSTER_VARS) $(ARGS)
+
+ray: setup ## train RECIPE on NODES nodes of a Ray cluster (RAY_ADDRESS; GPUS per node), each running the cluster entry
+	$(PY) -m disttrain.tools.ray_launch --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
+	$(CLUSTER_VARS) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

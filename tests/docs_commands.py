@@ -148,7 +148,8 @@ class Repo:
                 repo.targets[current] += line + "\n"
             elif line and not line.startswith("#"):
                 current = None
-        repo.variables = set(re.findall(r"^([A-Z_]+)\s*[?:]?=", text, re.M)) | set(re.findall(r"\$\(([A-Z_]+)\)", text))
+        repo.variables = (set(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*[?:]?=", text, re.M))
+                          | set(re.findall(r"\$\(([A-Z_][A-Z0-9_]*)\)", text)))
         return repo
 
     def environment_variable(self, name: str) -> bool:
