@@ -78,8 +78,8 @@ LAUNCH = $(PY) -m disttrain.runtime.ports --port $(MASTER_PORT) --nodes $(NODES)
 	$(if $(HOSTFILE),--deepspeed_multinode_launcher pdsh --deepspeed_hostfile $(HOSTFILE)) \
 	$(call MESH_FLAGS,$(1))
 
-# The parallelism flags of a config for GPUS x NODES processes: the one definition the train-* targets and
-# scripts/slurm/train.sbatch (through `make -s mesh-flags`) use
+# The parallelism flags of a config for GPUS x NODES processes: the one definition the train-* targets use (and so
+# every cluster engine's nodes: disttrain/tools/cluster.py runs them; `make mesh-flags` prints them)
 MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) ))) \
 	$(if $(filter zero3_ulysses,$(1)),--parallelism_config_sp_size $(SP) \

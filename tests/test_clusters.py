@@ -50,8 +50,8 @@ def test_every_engines_variables_give_the_same_node_and_the_same_launch(engine):
     found, node = cluster.node_of(ENGINE_ENV[engine])
     assert (found, node) == (engine, NODE)
     cmd = cluster.command(node, "fsdp_ep", "recipes/qwen3-30b-a3b/full_sft_ep.yaml", ["EP=8", "training.max_steps=5"])
-    assert cmd == ["make", "-s", "train-fsdp-ep", "NODES=2", "NODE_RANK=1", "GPUS=8", "MASTER_ADDR=10.0.0.5",
-                   "MASTER_PORT=29500", "EP=8", "RECIPE=recipes/qwen3-30b-a3b/full_sft_ep.yaml",
+    assert cmd == ["make", "-s", "-o", "tiny", "train-fsdp-ep", "NODES=2", "NODE_RANK=1", "GPUS=8",
+                   "MASTER_ADDR=10.0.0.5", "MASTER_PORT=29500", "EP=8", "RECIPE=recipes/qwen3-30b-a3b/full_sft_ep.yaml",
                    "ARGS=training.max_steps=5"]
 
 

@@ -1,7 +1,8 @@
-"""scripts/slurm/train.sbatch renders, for every shipped config, the launch line the Make targets run: the same
-config, processes, machines and mesh flags (HSDP, Ulysses, CP, TP, FSDP2 + TP, EP's size), which it takes from the one
-definition in the Makefile (`make mesh-flags`). Before, it passed no mesh flags, so every mesh config (the
-shipped 2-node HSDP recipe included) was refused."""
+"""scripts/slurm/train.sbatch runs, for every shipped config, the cluster entry on each node (disttrain/tools/
+cluster.py: SLURM's variables -> the node's `make train-*`), so each node launches what the Make target launches by
+hand: the same config, processes, machines and mesh flags (HSDP, Ulysses, CP, TP, FSDP2 + TP, EP's size), from the
+one definition in the Makefile. Before it took the mesh flags from there, it passed none, and every mesh config
+(the shipped 2-node HSDP recipe included) was refused."""
 
 import os
 import re
@@ -30,24 +31,27 @@ def _flags(line: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("config", list(TARGETS))
 def test_the_sbatch_line_is_the_make_targets_line(config):
+    """Each node's command (the cluster entry's, from SLURM's variables) is the make target with that node's rank,
+    and what make runs for it is what `make train-<config> NODES=2 NODE_RANK=1 ...` runs by hand: the same config,
+    processes, machines, mesh flags and expert-parallel size."""
     env = {**os.environ, "SLURM_NNODES": "2", "MASTER_ADDR": "10.0.0.1", "GPUS_PER_NODE": "4", "STRATEGY": config,
            "DRY_RUN": "1", "RECIPE": "recipes/qwen2.5-32b/full_sft_hsdp.yaml"}
     rendered = subprocess.run(["bash", "scripts/slurm/train.sbatch"], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     nodes = rendered.stdout.strip().splitlines()
-    assert len(nodes) == 2 and all("recipes/qwen2.5-32b/full_sft_hsdp.yaml" in line for line in nodes)
+    assert len(nodes) == 2 and all("RECIPE=recipes/qwen2.5-32b/full_sft_hsdp.yaml" in line for line in nodes)
+    assert [f"NODE_RANK={r}" in line.split() for r, line in enumerate(nodes)] == [True, True]
+    assert nodes[1].split()[:5] == ["make", "-s", "-o", "tiny", TARGETS[config]]
+    ours = subprocess.run(["make", "-n", *nodes[1].split()[2:]], cwd=REPO, capture_output=True, text=True, timeout=60)
     make = subprocess.run(["make", "-n", TARGETS[config], "NODES=2", "GPUS=4", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
-    launch = next(line for line in make.stdout.splitlines() if "launch --config_file" in line)
-    expected = _flags(_arithmetic(launch))
-    ours = _flags(nodes[1])
-    expected["config_file"] = os.path.relpath(expected["config_file"], REPO) if os.path.isabs(expected["config_file"]) \
-        else expected["config_file"]
-    assert ours == expected
+    lines = [next(line for line in out.stdout.splitlines() if "launch --config_file" in line) for out in (ours, make)]
+    assert _flags(_arithmetic(lines[0])) == _flags(_arithmetic(lines[1]))
     if config in ("hsdp", "fsdp_cp", "tp", "fsdp_tp", "fsdp_ep", "zero3_ulysses"):
-        assert any(name.startswith("parallelism_config_") for name in ours)
-    assert EP_SIZE.findall(nodes[1]) == EP_SIZE.findall(make.stdout) == (["4"] if config == "fsdp_ep" else [])
+        assert any(name.startswith("parallelism_config_") for name in _flags(lines[0]))
+    assert EP_SIZE.findall(ours.stdout) == EP_SIZE.findall(make.stdout) == (["4"] if config == "fsdp_ep" else [])
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270" in ours.stdout  # below the job's --signal lead time
 
 
 def test_the_log_dir_slurm_writes_to_ships_with_the_repository():

@@ -2,14 +2,15 @@
 
 Each engine tells a node where it stands in its own variables; here they are read, in one place, into what a node's
 launch needs (the nodes, this node's rank, the rendezvous address and port, its GPUs), and the node runs the same
-`make train-<strategy>` the README shows for several nodes, so every engine launches exactly as SSH-by-hand does:
+`make train-<strategy>` the README shows for several nodes (building nothing: `-o tiny`), so every engine launches
+exactly as SSH-by-hand does:
 
     engine      node rank             nodes               rendezvous address             GPUs per node
     kubernetes  JOB_COMPLETION_INDEX  DISTTRAIN_NODES     DISTTRAIN_MASTER_ADDR (pod 0)  DISTTRAIN_GPUS
     pytorchjob  RANK (the pod's)      WORLD_SIZE (pods)   MASTER_ADDR, MASTER_PORT       DISTTRAIN_GPUS
     skypilot    SKYPILOT_NODE_RANK    SKYPILOT_NUM_NODES  SKYPILOT_NODE_IPS' first line  SKYPILOT_NUM_GPUS_PER_NODE
-    slurm       SLURM_NODEID          SLURM_NNODES        MASTER_ADDR, else the first    SLURM_GPUS_ON_NODE
-                                                          host of SLURM_JOB_NODELIST
+    slurm       SLURM_NODEID          SLURM_NNODES        MASTER_ADDR, else the first    GPUS_PER_NODE, else
+                                                          host of SLURM_JOB_NODELIST     SLURM_GPUS_ON_NODE
     disttrain   DISTTRAIN_NODE_RANK   DISTTRAIN_NODES     DISTTRAIN_MASTER_ADDR          DISTTRAIN_GPUS
                 (the Ray launcher's, and anyone's own)
 
@@ -19,7 +20,7 @@ variables, e.g. TP=2 EP=8 MAX_RESTARTS=3) or recipe overrides (key.path=value). 
 set and did not is one line naming it. `--dry-run` prints the command instead of running it.
 
 The manifests and task files that run this entry: `make k8s` (disttrain/tools/k8s.py), `make sky`
-(disttrain/tools/sky.py), `make ray` (disttrain/tools/ray_launch.py); SLURM's scripts/slurm/train.sbatch.
+(disttrain/tools/sky.py), `make ray` (disttrain/tools/ray_launch.py), SLURM's scripts/slurm/train.sbatch.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _skypilot(env: dict) -> Node:
 def _slurm(env: dict) -> Node:
     e = "slurm"
     addr = env.get("MASTER_ADDR") or _first_host(_need(env, e, "SLURM_JOB_NODELIST"))
-    gpus = env.get("SLURM_GPUS_ON_NODE") or env.get("GPUS_PER_NODE")
+    gpus = env.get("GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE")  # the sbatch script's knob first
     if not gpus:
         raise DisttrainError("slurm: neither SLURM_GPUS_ON_NODE nor GPUS_PER_NODE is set: ask for GPUs "
                              "(#SBATCH --gpus-per-node=N) or set GPUS_PER_NODE")
@@ -156,7 +157,8 @@ def command(node: Node, strategy: str, recipe: str, extra: list[str]) -> list[st
         raise DisttrainError(f"--strategy {strategy}: no accelerate_configs/{strategy}.yaml for several nodes; one of "
                              + ", ".join(choices))
     target = "train-" + strategy.replace("_", "-")
-    return ["make", "-s", target, *(f"{k}={v}" for k, v in node.make_variables().items()), *make_vars,
+    # -o tiny: a node builds nothing (the tiny model, the install): its image or the shared filesystem has them
+    return ["make", "-s", "-o", "tiny", target, *(f"{k}={v}" for k, v in node.make_variables().items()), *make_vars,
             f"RECIPE={recipe}", *([f"ARGS={' '.join(overrides)}"] if overrides else [])]
 
 
