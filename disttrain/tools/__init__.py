@@ -6,6 +6,7 @@
     preflight.py  `make preflight`: a recipe on a shrunk model of its architecture, on CPU processes
     tiny.py       the tiny local model, tokenizer and synthetic data of the default run
     cluster.py    the one entry every cluster engine's nodes run: its variables -> `make train-*` for the node
+    cluster_launch.py  what a cluster launch is (recipe, strategy, nodes, mesh, name, shared output), checked once
     k8s.py        `make k8s`: an indexed Job + headless Service (or Kubeflow's PyTorchJob) for a recipe
     sky.py        `make sky`: a SkyPilot task for a recipe
     ray_launch.py `make ray`: a Ray cluster's nodes each running the cluster entry

@@ -20,7 +20,6 @@ RAY_ADDRESS is set); tests/test_clusters.py trains two such "nodes" like the two
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import subprocess
@@ -85,11 +84,9 @@ def launch(strategy: str, recipe: str, nodes: int, gpus: int, extra: list[str], 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs (processes) per node")
+    from disttrain.tools.cluster_launch import launch_parser
+
+    parser = launch_parser(__doc__, nodes=2, files=False)
     parser.add_argument("--cpu", action="store_true", help="CPU bundles (a local test cluster)")
     parser.add_argument("--log-dir", default="logs", help="where each node's output goes")
     args, extra = parser.parse_known_args(argv)

@@ -17,24 +17,16 @@ against SkyPilot's documented task fields.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
-from pathlib import Path
 
 import yaml
 
 from disttrain.errors import DisttrainError, exit_on_user_error
-from disttrain.tools.k8s import MOUNT, mesh_problem, output_dir
-
-REPO = Path(__file__).resolve().parents[2]
+from disttrain.tools.cluster_launch import MOUNT, checked_launch, emit, launch_parser
 
 
 def render(args, extra: list[str]) -> dict:
-    from disttrain.recipe.schema import load_recipe
-
-    if args.nodes < 1 or args.gpus < 1:
-        raise DisttrainError(f"NODES={args.nodes} GPUS={args.gpus}: both must be at least 1 (GPUS: per node)")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.accelerator or ""):
         raise DisttrainError(f"ACCELERATOR={args.accelerator!r}: an accelerator name as SkyPilot lists them "
                              "(`sky show-gpus`), e.g. H100, A100-80GB, L4")
@@ -42,25 +34,15 @@ def render(args, extra: list[str]) -> dict:
         raise DisttrainError(f"NODES={args.nodes}{' SPOT=1' if args.spot else ''}: checkpoints must outlive a node "
                              "(every rank writes them; a preempted node takes its disk along); give BUCKET=<a bucket "
                              "name> to mount at /outputs")
-    if not (REPO / "accelerate_configs" / f"{args.strategy}.yaml").is_file():
-        raise DisttrainError(f"STRATEGY={args.strategy}: no accelerate_configs/{args.strategy}.yaml")
-    make_vars = dict(a.split("=", 1) for a in extra if re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", a))
-    problem = mesh_problem(args.strategy, args.nodes, args.gpus, make_vars)
-    if problem:
-        raise DisttrainError(problem)
-    recipe = load_recipe(args.recipe, [a for a in extra if a.split("=", 1)[0] not in make_vars])
-    entry = [".venv/bin/python", "-m", "disttrain.tools.cluster", "--engine", "skypilot", "--strategy", args.strategy,
-             "--recipe", args.recipe, *extra]
-    if args.bucket:
-        entry.append(f"output.dir={output_dir(recipe)}")
-    name = args.name or re.sub(r"[^a-z0-9-]+", "-", Path(recipe.output.dir.split("{")[0]).name.lower()).strip("-")
+    launch = checked_launch(args.recipe, args.strategy, args.nodes, args.gpus, extra, args.name)
     resources = {"accelerators": f"{args.accelerator}:{args.gpus}", "use_spot": bool(args.spot),
                  "job_recovery": {"strategy": "FAILOVER", "max_restarts_on_errors": args.max_restarts}}
-    task = {"name": name, "resources": resources, "num_nodes": args.nodes, "workdir": ".",
+    task = {"name": launch.name, "resources": resources, "num_nodes": args.nodes, "workdir": ".",
             "envs": {"DISTTRAIN_MASTER_PORT": str(args.port)}}
     if args.bucket:
         task["file_mounts"] = {MOUNT: {"name": args.bucket, "mode": "MOUNT"}}
     task["setup"] = "make setup GPU=1\n"
+    entry = launch.entry(".venv/bin/python", "skypilot", shared=bool(args.bucket))
     task["run"] = " ".join(_quoted(a) for a in entry) + "\n"
     return task
 
@@ -78,25 +60,13 @@ def _quoted(arg: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus", type=int, default=8, help="accelerators per node")
+    parser = launch_parser(__doc__)
     parser.add_argument("--accelerator", default="H100")
     parser.add_argument("--bucket", default="", help="a bucket every node mounts at /outputs")
     parser.add_argument("--spot", type=int, default=0)
-    parser.add_argument("--max-restarts", type=int, default=3)
-    parser.add_argument("--port", type=int, default=29500)
-    parser.add_argument("--name", default="")
-    parser.add_argument("--out", default="")
     args, extra = parser.parse_known_args(argv)
-    text = yaml.dump(render(args, extra), Dumper=_Dumper, sort_keys=False)
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"sky: wrote {args.out} ({args.nodes} x {args.accelerator}:{args.gpus}); sky jobs launch {args.out}")
-    else:
-        print(text, end="")
+    emit(yaml.dump(render(args, extra), Dumper=_Dumper, sort_keys=False), args.out,
+         f"sky: wrote {args.out} ({args.nodes} x {args.accelerator}:{args.gpus}); sky jobs launch {args.out}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 TP_STATE = "tp_state"
 
 
-def _tensor_parallel(accelerator):
+def _laid_out(accelerator):
     """(model, torch optimizer) when transformers laid the model out (tensor or expert parallelism: accelerate
     left it as it is), else None."""
     from disttrain.runtime.backends import laid_out_by_transformers
@@ -42,7 +42,7 @@ def _without_model_and_optimizer(accelerator):
 
 def save_state(accelerator, directory: Path) -> None:
     """Collective: every rank writes its shards."""
-    parts = _tensor_parallel(accelerator)
+    parts = _laid_out(accelerator)
     if parts is None:
         accelerator.save_state(str(directory))
         return
@@ -57,7 +57,7 @@ def save_state(accelerator, directory: Path) -> None:
 
 def load_state(accelerator, directory: Path) -> None:
     """Collective: every rank reads its shards (the same mesh as the save: checkpoint.check_shape)."""
-    parts = _tensor_parallel(accelerator)
+    parts = _laid_out(accelerator)
     if parts is None:
         accelerator.load_state(str(directory))
         return
