@@ -99,7 +99,7 @@ CLUSTER_VARS = $(if $(filter hsdp fsdp_tp fsdp_ep,$(STRATEGY)),HSDP_REPLICAS=$(H
 	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
+	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-rollouts bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -220,6 +220,11 @@ preflight: tiny ## dry-run RECIPE under STRATEGY on 2 CPU processes with a shrun
 
 BENCH_STRATEGIES ?= ddp,fsdp,zero1,zero2,zero3,zero3_offload
 STEPS       ?= 30
+# make bench-rollouts: the online-RL recipe, its runs (strategy, or strategy:per_layer for the per-layer gathers
+# of a model too large to gather whole) and steps
+RL_RECIPE   ?= recipes/tiny/grpo.yaml
+RUNS        ?= ddp,fsdp,zero3
+ROLLOUT_STEPS ?= 40
 
 bench: tiny ## RECIPE under each of BENCH_STRATEGIES for STEPS steps -> bench/results.{json,md,png}
 	$(PY) -m disttrain.bench.strategies --recipe $(RECIPE) --strategies $(BENCH_STRATEGIES) --steps $(STEPS) --nproc $(GPUS) $(ARGS)
@@ -232,6 +237,9 @@ bench-memory: setup ## loss memory and step time per strategy: plain (full logit
 
 bench-experts: setup ## expert parallelism vs FSDP2 alone on a mixture of experts: states per process (vs make cost), step time, peak memory -> bench/experts/
 	$(PY) -m disttrain.bench.experts --nproc $(GPUS) --ep $(EP) $(ARGS)
+
+bench-rollouts: tiny ## online RL's sampling per run of RUNS (strategy[:per_layer]) on RL_RECIPE: rollout s vs the first run, sampling share, rewards equal -> bench/rollouts/
+	$(PY) -m disttrain.bench.rollouts --recipe $(RL_RECIPE) --runs $(RUNS) --steps $(ROLLOUT_STEPS) --nproc $(GPUS) $(ARGS)
 
 bench-long: setup ## peak memory per rank at one long sequence, ZeRO-3 vs ZeRO-3 + Ulysses (sp 1, 2) -> bench/long/
 	$(PY) -m disttrain.bench.long --nproc $(GPUS) $(ARGS)

@@ -6,7 +6,7 @@
   (old policy, reference, every loss type);
 - rewards called as TRL calls them (TRL's own reward function works as it is), and every way a reward
   function can go wrong in one line naming it and the completion; advantages as TRL computes them;
-- sampling seeded per prompt: the same completions whatever the process's random state, which it leaves alone.
+- the sampling itself: tests/test_rollouts.py.
 """
 
 from __future__ import annotations
@@ -246,30 +246,6 @@ def test_advantages_are_trls():
     torch.testing.assert_close(advantages(rewards, weights, 4, "none")[0][:4], summed - summed.mean())
     values = torch.tensor([[1.0, float("nan"), 3.0, 4.0], [2.0, 2.0, 5.0, float("nan")]])
     torch.testing.assert_close(nanstd(values, dim=1), trl_nanstd(values, dim=1))
-
-
-# ---------------------------------------------------------------------------------------------- the sampling
-def test_completions_depend_on_the_seed_only_and_leave_the_process_random_state_alone(tiny_model_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    cfg = RLSection(num_generations=4, max_completion_length=6)
-    prompt = tokenizer("sort: stone green", add_special_tokens=False)["input_ids"]
-    eos = rollout.eos_ids(tokenizer, model)
-
-    def sample(seed):
-        return rollout.sample(model, cfg, prompt, seed, eos, tokenizer.pad_token_id, torch.device("cpu"), False)
-
-    torch.manual_seed(0)
-    first = sample(11)
-    state = torch.get_rng_state()
-    torch.manual_seed(123)  # another process state: the same completions
-    assert sample(11) == first
-    torch.set_rng_state(state)
-    sample(11)
-    assert torch.equal(torch.get_rng_state(), state)  # dropout's stream is untouched
-    assert sample(12) != first and len({tuple(ids) for ids, _ in first}) > 1  # sampled, not greedy
-    assert all(len(ids) <= 6 for ids, _ in first)
 
 
 @pytest.mark.parametrize("family", ["granite", "cohere", "gemma2", "qwen3_moe"])

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,8 @@ def feature_run(runs, model_dir: Path, kind: str, config: str, features, extra: 
     once per session."""
     column = COLUMN[config]
     key = f"matrix-{kind}-{config}-{model_dir.name}-{'-'.join(f.key for f in features)}-{'-'.join(extra)}"
+    if len(key) > 120 or "/" in key:  # a folder's name: a variant may name files (rl.rewards=[...])
+        key = f"{key[:80].replace('/', '_')}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def make(folder: Path):
         recipe = run_recipe(folder, model_dir, kind, features, column.data_ranks, "run", extra)
@@ -215,8 +218,8 @@ def loaded_weights(out: Path, lora: bool) -> dict:
 
 
 COMPARED = ("loss", "eval_loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
-            "clip_ratio/region_mean")
-COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/")
+            "clip_ratio/region_mean", "frac_reward_zero_std")
+COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/", "dynamic_sampling/")
 
 
 def compared(out: Path) -> dict[tuple[int, str], float]:
@@ -244,6 +247,8 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir,
         assert any(k == "eval_loss" for _, k in ours)
     if "grpo" in keys:  # rolled out, scored by both functions, trained on
         assert {s for s, k in ours if k == "reward"} and any(k == "rewards/answer_words/mean" for _, k in ours)
+        resampled = sum(v for (_, k), v in ours.items() if k == "dynamic_sampling/resampled_groups")
+        assert (resampled > 0) == ("rl.dynamic_sampling=2" in extra), resampled  # groups without signal redrawn
     if "scoring" in keys:
         assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
     if "time_checkpoints" in keys:  # the clock is due at every step: every rank saved every step, completely

@@ -105,15 +105,21 @@ def test_a_trained_reward_model_exports_loads_and_scores_online_rl_completions(t
         scores = model.eval()(**inputs).logits[:, 0]
         assert scores[0] > scores[1]
 
-    # the full model as online RL's reward, under DDP: 3 steps, scored by it
-    grpo = base_recipe(tiny_model_dir, tmp_path / "grpo",
-                       data={"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt"},
-                       training={"objective": "grpo", "micro_batch_size": 1, "grad_accum": 1, "max_steps": 3},
-                       rl={"num_generations": 4, "max_completion_length": 6,
-                           "rewards": [{"model": str(tmp_path / "full" / "final")}]})
-    assert_ok(launch("ddp", write_recipe(tmp_path / "grpo.yaml", grpo)))
-    lines = [r for r in read_metrics(tmp_path / "grpo") if "reward" in r]
-    assert [r["step"] for r in lines] == [1, 2, 3] and all("rewards/reward_model/mean" in r for r in lines)
+    # the full model as online RL's reward: 3 steps, scored by it, under DDP and under ZeRO-3 (with and without
+    # offload: the reward model is loaded whole there too, not partitioned), the same scores at every step
+    scores = {}
+    for strategy in ("ddp", "zero3", "zero3_offload"):
+        grpo = base_recipe(tiny_model_dir, tmp_path / f"grpo-{strategy}",
+                           data={"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt"},
+                           training={"objective": "grpo", "micro_batch_size": 1, "grad_accum": 1, "max_steps": 3},
+                           rl={"num_generations": 4, "max_completion_length": 6,
+                               "rewards": [{"model": str(tmp_path / "full" / "final")}]})
+        assert_ok(launch(strategy, write_recipe(tmp_path / f"grpo-{strategy}.yaml", grpo)))
+        lines = [r for r in read_metrics(tmp_path / f"grpo-{strategy}") if "reward" in r]
+        assert [r["step"] for r in lines] == [1, 2, 3] and all("rewards/reward_model/mean" in r for r in lines)
+        scores[strategy] = [(r["reward"], r["rewards/reward_model/std"]) for r in lines]
+    assert scores["zero3"] == pytest.approx(scores["ddp"], rel=1e-5)
+    assert scores["zero3_offload"] == pytest.approx(scores["ddp"], rel=1e-5)
 
     from disttrain.objectives.rewards import RewardModel
 

@@ -31,6 +31,7 @@ class ModelShape:
     hidden: int
     vocab: int
     expert_params: int = 0  # all routed-expert weights (MoE); matmul_params holds their active share
+    kv_heads: int = 0       # key/value heads (grouped-query attention); 0: as many as `heads`
 
 
 def shape_from_model(model, config) -> ModelShape:
@@ -49,7 +50,7 @@ def shape_from_model(model, config) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelShape(params, matmul, text.num_hidden_layers, heads, head_dim, text.hidden_size, text.vocab_size,
-                      experts)
+                      experts, getattr(text, "num_key_value_heads", None) or heads)
 
 
 def _moe_weights(model, experts: int, hidden: int) -> tuple[int, int]:

@@ -26,12 +26,14 @@ import torch
 
 from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
-from disttrain.objectives import rollout
-from disttrain.objectives.policy_loss import STATS, UNITS, entropy_bonus, policy_loss, units
-from disttrain.objectives.rewards import Rewards, advantages, reward_names, weighted_sum
-from disttrain.objectives.rollout import ADVANTAGES_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS
+from disttrain.objectives import rollout, sampling, vllm_engine
+from disttrain.objectives.policy_loss import STATS, UNITS, clip_units, entropy_bonus, policy_loss, units
+from disttrain.objectives.rewards import Rewards, advantages, nanstd, reward_names, weighted_sum
+from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS,
+                                          SAMPLED_KEY)
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
-from disttrain.runtime.backends import generating
+from disttrain.objectives.vllm_engine import engine_weights
+from disttrain.runtime.rollout_weights import RolloutWeights
 
 SAMPLES_LOGGED = 2  # completions of a step's first prompt kept for the metrics line (with their rewards)
 
@@ -40,6 +42,8 @@ class GRPO:
     def __init__(self, recipe):
         self.recipe, self.rl = recipe, recipe.rl
         self.rewards = Rewards(recipe.rl)  # imported now: a wrong module:function stops before the model loads
+        if recipe.rl.engine == "vllm":  # the server answers, vLLM is here: known before the model loads
+            vllm_engine.check(recipe.rl)
         self.tokenizer = self.accelerator = None
 
     def model_kwargs(self, tokenizer) -> dict:
@@ -54,8 +58,12 @@ class GRPO:
         return GRPOLoss(model, self.rl, self.recipe.rl_reference())
 
     def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
-        """The frozen reference when the KL term needs one and no adapters can be switched off."""
+        """The frozen reference when the KL term needs one and no adapters can be switched off; dropout off
+        (rl.disable_dropout); reward models told where the run's weights live."""
         self.accelerator = accelerator
+        self.rewards.prepare(accelerator)
+        if self.rl.disable_dropout:
+            self.without_dropout(model)
         if loss.reference == "model":
             from disttrain.objectives.preference import live_reference
             from disttrain.runtime.backends import has_gpu, shards_weights
@@ -64,6 +72,13 @@ class GRPO:
             reference, scorer = live_reference(accelerator, self.recipe, shards_weights(accelerator), local_device)
             scorer.head._disttrain_transform = replace(scorer.family.transform, temperature=self.rl.temperature)
             loss.attach_reference(reference, scorer, accelerator.autocast)
+
+    @staticmethod
+    def without_dropout(model) -> None:
+        """Every dropout of the policy off, as TRL's disable_dropout_in_model (LoRA's is an nn.Dropout too)."""
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
 
     def steps(self, feed) -> Rollouts:
         """Each step's micro-batches rolled out from the feed's prompt batches."""
@@ -82,6 +97,10 @@ class Rollouts:
         self.total_steps = feed.total_steps * self.iterations
         self.per_epoch = feed.per_epoch * self.iterations
         self.pending: tuple[int, list[dict]] | None = None  # (prompt batch, its micro-batches) being trained on
+        self.weights: RolloutWeights | None = None  # how the policy is held while it samples (made at the first)
+        self.window: RolloutWindow | None = None
+        self.engine = vllm_engine.VLLMEngine(self.rl) if self.rl.engine == "vllm" else None
+        self.engine_logps: dict = {}  # rl.engine: vllm -- {(micro-batch, prompt): the server's log-probs}
         train_set = getattr(feed, "train_set", None)
         if train_set is not None and len(train_set):
             columns = set(json.loads(train_set[0]["record"])) - {"prompt"}
@@ -117,68 +136,157 @@ class Rollouts:
                                      f"{self.iterations}) needs the completions saved with the checkpoint, which "
                                      "it does not hold: resume from another checkpoint")
             else:
-                micro_batches = self._rollout(run, prompt_batches, batch)
+                micro_batches = self._rollout(run, prompt_batches, batch, state)
             self.pending = (batch, micro_batches)
             for _ in range(first, self.iterations):
                 yield micro_batches
             prompts_state.step += 1
 
-    def _rollout(self, run, prompt_batches: list[dict], batch: int) -> list[dict]:
+    def _rollout(self, run, prompt_batches: list[dict], batch: int, state) -> list[dict]:
         """Sample, score and lay out one step's prompt batches (every rank: the same number of generate calls)."""
         accelerator, model, loss = run.accelerator, run.model, run.loss
-        tokenizer, rl = self.objective.tokenizer, self.rl
-        started = time.perf_counter()
-        sampled = []
-        with contextlib.ExitStack() as stack:  # the bare model in eval mode, under the run's autocast
-            module = stack.enter_context(generating(accelerator, model))
-            stack.enter_context(accelerator.autocast())
-            eos = rollout.eos_ids(tokenizer, module)
-            synced = accelerator.num_processes > 1
-            for prompts in prompt_batches:
-                seeds = [rollout.completion_seed(run.recipe.training.seed, batch, int(i))
-                         for i in prompts[PROMPT_INDEX]]
-                sampled.append([rollout.sample(module, rl, ids, seed, eos, tokenizer.pad_token_id, accelerator.device,
-                                               synced) for ids, seed in zip(prompts["prompt_ids"], seeds)])
-        generated = time.perf_counter()
-        scored = [self._score(prompts, completions, batch) for prompts, completions in zip(prompt_batches, sampled)]
+        tokenizer, rl, group = self.objective.tokenizer, self.rl, self.rl.num_generations
+        self.window = loss.window  # where the reward functions' log_metric values go
+        self.weights = self.weights or RolloutWeights(accelerator, rl)
+        progress = SimpleNamespace(global_step=state.step, epoch=state.epoch, max_steps=self.total_steps)
+        if self.weights.collective:  # the clock starts when every rank is here: waiting for one still writing the
+            accelerator.wait_for_everyone()  # last step's log line is not sampling (the gathers would wait anyway)
+        clock = [time.perf_counter(), 0.0, 0.0]  # (start of the current phase, sampling seconds, scoring seconds)
+        groups = [(m, k, 0) for m, p in enumerate(prompt_batches) for k in range(len(p["prompt_ids"]))]
+        done = self._sample(run, prompt_batches, batch, groups, state.step)
+        sampled = [[done[m, k] for k in range(len(p["prompt_ids"]))] for m, p in enumerate(prompt_batches)]
+        _lap(clock, 1)
+        scored = [self._score(p, c, batch, progress) for p, c in zip(prompt_batches, sampled)]
+        _lap(clock, 2)
+        resampled = self._resample_flat_groups(run, prompt_batches, batch, progress, sampled, scored, clock)
         summed = torch.cat([s[1] for s in scored])
         batch_std = _batch_std(accelerator, summed, run.plan) if rl.scale_rewards == "batch" else None
         micro_batches = []
-        for prompts, completions, (table, _) in zip(prompt_batches, sampled, scored):
-            flat = [c for group in completions for c in group]
-            prompt_of = [ids for ids in prompts["prompt_ids"] for _ in range(rl.num_generations)]
+        for m, (prompts, completions, (table, _, _)) in enumerate(zip(prompt_batches, sampled, scored)):
+            flat = [c for g in completions for c in g]
+            prompt_of = [ids for ids in prompts["prompt_ids"] for _ in range(group)]
+            logps = [lp for k in range(len(completions)) for lp in self.engine_logps[m, k]] if self.engine else None
             rows = rollout.training_rows(prompt_of, flat, tokenizer.pad_token_id, rl.mask_truncated_completions,
-                                         accelerator.device)
-            rows[ADVANTAGES_KEY], rewards = advantages(table, self.objective.rewards.weights, rl.num_generations,
+                                         accelerator.device, logps)
+            rows[ADVANTAGES_KEY], rewards = advantages(table, self.objective.rewards.weights, group,
                                                        rl.scale_rewards, batch_std)
             rows[ADVANTAGES_KEY] = rows[ADVANTAGES_KEY].to(accelerator.device)
-            loss.before_training(model, rows, self.iterations > 1)
-            loss.window.add_rollout(table, rewards, flat, rl.num_generations)
+            loss.before_training(model, rows, self.iterations > 1 or self.engine is not None)
+            loss.window.add_rollout(table, rewards, flat, group)
             micro_batches.append(rows)
-        loss.window.add_times(generated - started, time.perf_counter() - generated)
-        loss.window.keep_samples(tokenizer, prompt_batches[0], sampled[0], scored[0][1])
+        loss.window.add_times(clock[1], clock[2], resampled)
+        loss.window.keep_samples(tokenizer, prompt_batches[0], sampled[0], scored[0][1], scored[0][2])
         return micro_batches
 
-    def _score(self, prompts: dict, completions: list[list[tuple]], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([completions, functions] rewards, their weighted sums) of one prompt micro-batch."""
-        tokenizer, group = self.objective.tokenizer, self.rl.num_generations
+    def _sample(self, run, prompt_batches: list[dict], batch: int, groups: list[tuple[int, int, int]],
+                step: int) -> dict:
+        """{(micro-batch, prompt): its num_generations completions} for `groups` -- (micro-batch, prompt in it,
+        attempt) -- sampled in one rollout. Attempt a of a prompt draws its completions a x num_generations on."""
+        accelerator, rl, group = run.accelerator, self.rl, self.rl.num_generations
+        tokenizer, seed = self.objective.tokenizer, run.recipe.training.seed
+        prompts, seeds = [], []
+        for m, k, attempt in groups:
+            row = int(prompt_batches[m][PROMPT_INDEX][k])
+            prompts += [prompt_batches[m]["prompt_ids"][k]] * group
+            seeds += [sampling.completion_seed(seed, batch, row, attempt * group + g) for g in range(group)]
+        if self.engine is not None:
+            return self._sample_on_server(run, prompts[::group], seeds[::group], groups, step)
+        if not prompts:  # nothing to redo here while other ranks resample: one throwaway row keeps them in step
+            prompts, seeds = [prompt_batches[0]["prompt_ids"][0]], [0]
+        with contextlib.ExitStack() as stack:  # the model to sample from, in eval mode, under the run's autocast
+            module, synced = stack.enter_context(self.weights.model(run.model, self._decode_shape(prompts)))
+            stack.enter_context(accelerator.autocast())
+            eos = rollout.eos_ids(tokenizer, module)
+            flat = rollout.sample(module, rl, prompts, seeds, eos, tokenizer.pad_token_id, accelerator.device, synced)
+        return {(m, k): flat[i * group:(i + 1) * group] for i, (m, k, _) in enumerate(groups)}
+
+    def _sample_on_server(self, run, prompts: list[list[int]], seeds: list[int], groups: list, step: int) -> dict:
+        """rl.engine: vllm -- the weights pushed when an optimizer step changed them (every rank joins the gather),
+        then each prompt's completions from the server, its log-probs kept for the correction."""
+        if self.engine.pushed_at != step:
+            with self.weights.model(run.model, (1, 1), whole=True) as (module, _):
+                self.engine.push(run.accelerator, module, step)
+        eos = rollout.eos_ids(self.objective.tokenizer, rollout_model_of(run))
+        done = {}
+        for (m, k, _), sampled in zip(groups, self.engine.sample(prompts, seeds, eos) if prompts else []):
+            done[m, k] = [(ids, truncated) for ids, truncated, _ in sampled]
+            self.engine_logps[m, k] = [logps for _, _, logps in sampled]
+        return done
+
+    def _resample_flat_groups(self, run, prompt_batches, batch, progress, sampled, scored, clock) -> int:
+        """DAPO's dynamic sampling (rl.dynamic_sampling rounds at most): a group whose rewards are all equal
+        (no signal) is sampled again with fresh seeds, round after round while any rank has one. Each group's
+        fate depends on its own completions only, so every strategy still equals one process. Returns the
+        groups resampled at least once."""
+        redone, group = set(), self.rl.num_generations
+        for attempt in range(1, self.rl.dynamic_sampling + 1):
+            flat = [(m, k) for m, (_, summed, _) in enumerate(scored) for k in range(len(summed) // group)
+                    if _zero_std(summed[k * group:(k + 1) * group])]
+            if run.accelerator.num_processes > 1:
+                count = torch.tensor([float(len(flat))], device=run.accelerator.device)
+                if float(run.accelerator.reduce(count, reduction="sum")) == 0:
+                    break
+            elif not flat:
+                break
+            done = self._sample(run, prompt_batches, batch, [(m, k, attempt) for m, k in flat],
+                                progress.global_step)
+            for (m, k), completions in done.items():
+                sampled[m][k] = completions
+            redone |= set(flat)
+            _lap(clock, 1)
+            for m in sorted({m for m, _ in flat}):
+                scored[m] = self._score(prompt_batches[m], sampled[m], batch, progress)
+            _lap(clock, 2)
+        return len(redone)
+
+    def _decode_shape(self, prompts: list[list[int]]) -> tuple[int, int]:
+        """(rows per generate call, tokens per row at most): what the KV cache of a rollout holds."""
+        rows = min(len(prompts), self.rl.rows_per_generate or len(prompts))
+        return rows, max(len(p) for p in prompts) + self.rl.max_completion_length
+
+    def _score(self, prompts: dict, completions: list[list[tuple]], batch: int,
+               progress) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """([completions, functions] rewards, their weighted sums, the functions' log_extra columns) of one prompt
+        micro-batch."""
+        tokenizer, group, window = self.objective.tokenizer, self.rl.num_generations, self.window
         records = [json.loads(r) for r in prompts["record"]]
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for g in completions for ids, _ in g]
         chat = [isinstance(r["prompt"], list) for r in records]
         flat_records = [r for r in records for _ in range(group)]
         columns = {k: [r.get(k) for r in flat_records] for k in records[0] if k != "prompt"}
         rows = [int(i) for i in prompts[PROMPT_INDEX] for _ in range(group)]
+        extra: dict[str, list] = {}
         table = self.objective.rewards.score(
             prompts=[r["prompt"] for r in flat_records],
             completions=[[{"role": "assistant", "content": t}] if chat[i // group] else t for i, t in enumerate(texts)],
             completion_ids=[ids for g in completions for ids, _ in g], columns=columns,
-            where=lambda i: f"completion {i % group} of training row {rows[i]} (prompt batch {batch})")
-        return table, weighted_sum(table, self.objective.rewards.weights)
+            where=lambda i: f"completion {i % group} of training row {rows[i]} (prompt batch {batch})",
+            extras={"trainer_state": progress, "log_metric": window.log_metric,
+                    "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)})
+        return table, weighted_sum(table, self.objective.rewards.weights), extra
+
+
+def rollout_model_of(run):
+    """The bare model (for its generation config's EOS ids)."""
+    from disttrain.runtime.backends import bare_model
+
+    return bare_model(run.accelerator, run.model)
+
+
+def _lap(clock: list, slot: int) -> None:
+    """Adds the seconds since the phase began to clock[slot] and starts the next phase."""
+    now = time.perf_counter()
+    clock[slot] += now - clock[0]
+    clock[0] = now
+
+
+def _zero_std(rewards: torch.Tensor) -> bool:
+    """A group with no signal: its scored rewards all equal (TRL's isclose(nanstd, 0))."""
+    return bool(torch.isclose(nanstd(rewards.double()), torch.zeros((), dtype=torch.float64)))
 
 
 def _batch_std(accelerator, summed: torch.Tensor, plan) -> torch.Tensor:
     """The std of the step's summed rewards on every data rank (processes sharing a batch counted once)."""
-    from disttrain.objectives.rewards import nanstd
 
     gathered = accelerator.gather(summed.to(accelerator.device)).cpu()
     group = plan.group if plan is not None else 1
@@ -196,7 +304,7 @@ class GRPOLoss:
         self.unit_name = UNITS[rl.loss]
         self.sampling = replace(self.engine.family.transform, temperature=rl.temperature)
         self.head._disttrain_transform = self.sampling
-        self.window = RolloutWindow(reward_names(rl))
+        self.window = RolloutWindow(reward_names(rl), clip_units(rl))
         self._batch: dict | None = None
         self._num_items = 1.0  # the loop's denominator of the micro-batch being trained on
         self._reference = None
@@ -236,7 +344,7 @@ class GRPOLoss:
         leaf = logps.detach().requires_grad_()
         with torch.enable_grad():
             total, stats = policy_loss(self.rl, leaf, batch[MASK_KEY], batch[ADVANTAGES_KEY], batch.get(OLD_KEY),
-                                       batch.get(REF_KEY), self.rl.max_completion_length)
+                                       batch.get(REF_KEY), self.rl.max_completion_length, batch.get(ENGINE_KEY))
         (grad,) = torch.autograd.grad(total, leaf)
         mask = batch[MASK_KEY]
         self.window.add_policy(stats, (entropies * mask).sum())
@@ -270,6 +378,9 @@ class GRPOLoss:
         reference's (rl.beta > 0)."""
         if old_policy:
             batch[OLD_KEY] = self.token_logps(model, batch)
+        sampled = batch.pop(SAMPLED_KEY, None)  # rl.engine: vllm -- the server's log-probs, to correct by
+        if sampled is not None and self.rl.vllm.importance_sampling != "off":
+            batch[ENGINE_KEY] = engine_weights(batch[OLD_KEY], sampled, batch[MASK_KEY], self.rl.vllm)
         if self.reference == "adapters":
             from accelerate.utils import extract_model_from_parallel
 
@@ -290,15 +401,16 @@ class GRPOLoss:
         return {}
 
 
-ROLLOUT_SUMS = ("completions", "reward", "reward_sq", "length", "truncated", "groups", "groups_zero_std")
+ROLLOUT_SUMS = ("completions", "reward", "reward_sq", "length", "truncated", "groups", "groups_zero_std",
+                "groups_resampled")
 
 
 class RolloutWindow:
     """What the rollouts and the policy loss add up between two log lines; one all-reduce of the sums and one of
     the maxima (lengths, times) when a line is written."""
 
-    def __init__(self, names: list[str]):
-        self.names, self.functions = names, len(names)
+    def __init__(self, names: list[str], clips_per: str = "tokens"):
+        self.names, self.functions, self.clips_per = names, len(names), clips_per
         self.reset()
 
     def reset(self) -> None:
@@ -309,31 +421,41 @@ class RolloutWindow:
         self.maxima = torch.tensor([float("-inf"), float("-inf"), 0.0, 0.0], dtype=torch.float64)
         self.steps = 0
         self.samples: list[dict] = []
+        self.logged: dict[str, list[float]] = {}  # the reward functions' log_metric values
+        self.extra: dict[str, list] = {}  # their log_extra columns, of the completions being logged
 
     def add_rollout(self, table: torch.Tensor, summed: torch.Tensor, completions: list[tuple], group: int) -> None:
         lengths = torch.tensor([len(ids) for ids, _ in completions], dtype=torch.float64)
-        grouped = summed.double().view(-1, group)
-        zero_std = (grouped.std(dim=1, unbiased=False).nan_to_num(0.0) == 0).sum()
+        grouped = summed.double().view(-1, group)  # a group's std over its scored completions, as TRL's
+        zero_std = torch.isclose(nanstd(grouped, dim=1), torch.zeros((), dtype=torch.float64)).sum()
         values = [len(completions), summed.double().nansum(), (summed.double() ** 2).nansum(), lengths.sum(),
-                  sum(t for _, t in completions), grouped.shape[0], zero_std]
+                  sum(t for _, t in completions), grouped.shape[0], zero_std, 0]
         scored = ~torch.isnan(table)
         per_function = torch.cat([table.double().nan_to_num(0.0).sum(0), (table.double().nan_to_num(0.0) ** 2).sum(0),
                                   scored.sum(0).double()])
         self.sums += torch.cat([torch.tensor(values, dtype=torch.float64), per_function])
         self.maxima[:2] = torch.maximum(self.maxima[:2], torch.stack([lengths.max(), -lengths.min()]))
 
-    def add_times(self, rollout_s: float, score_s: float) -> None:
+    def add_times(self, rollout_s: float, score_s: float, resampled: int) -> None:
         self.maxima[2:] += torch.tensor([rollout_s, score_s], dtype=torch.float64)
+        self.sums[ROLLOUT_SUMS.index("groups_resampled")] += resampled
         self.steps += 1
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's log_metric for reward functions: averaged over the calls of every rank until the next line."""
+        self.logged.setdefault(str(name), []).append(float(value))
 
     def add_policy(self, stats: torch.Tensor, entropy_sum: torch.Tensor) -> None:
         """Every micro-batch: summed on its device (a copy to the host would wait for the step's kernels)."""
         values = torch.cat([stats.detach(), entropy_sum.detach().double().reshape(1)])
         self.policy = values if self.policy is None else self.policy + values
 
-    def keep_samples(self, tokenizer, prompts: dict, completions: list[list[tuple]], summed: torch.Tensor) -> None:
+    def keep_samples(self, tokenizer, prompts: dict, completions: list[list[tuple]], summed: torch.Tensor,
+                     extra: dict[str, list]) -> None:
+        """The first prompt's first completions, their rewards and the reward functions' log_extra values."""
         prompt = tokenizer.decode(prompts["prompt_ids"][0])
-        self.samples = [{"prompt": prompt, "completion": tokenizer.decode(ids), "reward": float(summed[i])}
+        self.samples = [{"prompt": prompt, "completion": tokenizer.decode(ids), "reward": float(summed[i]),
+                         **{column: values[i] for column, values in extra.items() if i < len(values)}}
                         for i, (ids, _) in enumerate(completions[0][:SAMPLES_LOGGED])]
 
     def metrics(self, accelerator) -> dict:
@@ -347,15 +469,32 @@ class RolloutWindow:
         base = len(ROLLOUT_SUMS)
         policy = sums[base + 3 * f:]
         tokens = max(float(policy[0]), 1.0)
+        clipped_of = tokens if self.clips_per == "tokens" else max(float(policy[1]), 1.0)
         record = {"entropy": float(policy[-1]) / tokens, "kl": float(policy[2]) / tokens,
-                  "clip_ratio/low_mean": float(policy[3]) / tokens, "clip_ratio/high_mean": float(policy[4]) / tokens,
-                  "clip_ratio/region_mean": float(policy[5]) / tokens}
+                  "clip_ratio/low_mean": float(policy[3]) / clipped_of,
+                  "clip_ratio/high_mean": float(policy[4]) / clipped_of,
+                  "clip_ratio/region_mean": float(policy[5]) / clipped_of}
         if float(sums[0]) > 0:  # completions sampled in this window (rl.num_iterations > 1: not at every step)
             record.update(self._rollout_metrics(sums, maxima))
+        record.update(self._logged_metrics(accelerator))
         if accelerator.is_main_process and self.samples:
             record["completions"] = self.samples
         self.reset()
         return record
+
+    def _logged_metrics(self, accelerator) -> dict:
+        """The reward functions' log_metric values, averaged over every rank's calls (an object gather: the names
+        may differ between ranks)."""
+        local = [self.logged]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            local = gather_object(local)
+        values: dict[str, list[float]] = {}
+        for logged in local:
+            for name, v in logged.items():
+                values.setdefault(name, []).extend(v)
+        return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
     def _rollout_metrics(self, sums: torch.Tensor, maxima: torch.Tensor) -> dict:
         f, base = self.functions, len(ROLLOUT_SUMS)
@@ -365,6 +504,7 @@ class RolloutWindow:
                   "completions/mean_length": float(sums[3]) / n, "completions/max_length": float(maxima[0]),
                   "completions/min_length": -float(maxima[1]), "completions/clipped_ratio": float(sums[4]) / n,
                   "frac_reward_zero_std": float(sums[6]) / max(float(sums[5]), 1.0),
+                  "dynamic_sampling/resampled_groups": float(sums[7]) / max(float(sums[5]), 1.0),
                   "rollout_s": float(maxima[2]) / max(self.steps, 1), "reward_s": float(maxima[3]) / max(self.steps, 1)}
         for j in range(f):  # each function over the completions it scored
             count = max(float(sums[base + 2 * f + j]), 1.0)

@@ -5,6 +5,7 @@ GRPOTrainer._compute_loss computes them (tests/test_policy_loss.py runs TRL's ow
               rl.importance_sampling: sequence); log p_old is log p detached when each batch is trained on once
     clipped   -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A); cispo: -min(ratio, epsilon_high)
               (detached) * A * log p
+    engine    times the importance-sampling weight of a vLLM engine's samples (rl.engine: vllm)
     KL        beta * (exp(ref - log p) - (ref - log p) - 1) added per token (the k3 estimator)
     entropy   minus entropy_coef x the micro-batch's mean entropy at the completion tokens (entropy_bonus: a
               per-micro-batch mean, as TRL's; the loop averages it over the micro-batches and ranks)
@@ -42,9 +43,12 @@ def units(loss: str, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(cfg, logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                 old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-                max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_completion_length: int | None = None,
+                engine_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the micro-batch's loss summed as its units count, STATS sums) from [completions, tokens] log-probs and
-    mask (1 on the tokens trained on) and one advantage per completion. `cfg`: the recipe's rl section."""
+    mask (1 on the tokens trained on) and one advantage per completion. `cfg`: the recipe's rl section;
+    `engine_weights`: the importance-sampling correction of a vLLM engine's samples (vllm_engine.engine_weights),
+    applied to the policy term before the KL is added, as TRL applies it."""
     mask = mask.to(logps.dtype)
     advantages = advantages.to(logps.dtype).unsqueeze(1)
     old_logps = logps.detach() if old_logps is None else old_logps
@@ -58,6 +62,8 @@ def policy_loss(cfg, logps: torch.Tensor, mask: torch.Tensor, advantages: torch.
     else:
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * advantages, clipped * advantages)
+    if engine_weights is not None:
+        per_token = per_token * engine_weights
     kl = None
     if cfg.beta != 0.0:
         delta = ref_logps - logps
@@ -82,10 +88,20 @@ def entropy_bonus(cfg, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return -cfg.entropy_coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def clip_units(cfg) -> str:
+    """What the clip shares are shares of, as TRL logs them: tokens, or completions when each completion has one
+    ratio (GSPO: rl.importance_sampling: sequence); STATS holds both counts."""
+    return "completions" if cfg.importance_sampling == "sequence" else "tokens"
+
+
 def _stats(cfg, ratio, advantages, mask, kl, epsilon_high) -> torch.Tensor:
-    """STATS sums of one micro-batch: the clip shares as TRL logs them (clip/* of cispo: the capped share)."""
+    """STATS sums of one micro-batch: the clip shares as TRL logs them (clip/* of cispo: the capped share), counted
+    per token, or per completion under sequence-level ratios (clip_units)."""
     def token_sum(x):
         return (x.to(mask.dtype).expand_as(mask) * mask).sum()
+
+    def clip_sum(x):
+        return x.to(mask.dtype).sum() if clip_units(cfg) == "completions" else token_sum(x)
 
     if cfg.loss == "cispo":
         capped = (ratio > epsilon_high) & (advantages > 0)
@@ -96,5 +112,5 @@ def _stats(cfg, ratio, advantages, mask, kl, epsilon_high) -> torch.Tensor:
         region = low | high
     values = [mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device),
               token_sum(kl.detach()) if kl is not None else mask.new_zeros(()),
-              token_sum(low), token_sum(high), token_sum(region)]
+              clip_sum(low), clip_sum(high), clip_sum(region)]
     return torch.stack([v.to(torch.float64) for v in values])

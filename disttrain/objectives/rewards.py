@@ -29,6 +29,10 @@ import torch
 from disttrain.errors import DisttrainError
 
 PASSED = ("prompts", "completions", "completion_ids")  # what every reward function is given beside the columns
+# what TRL also hands a reward function: the run's progress (trainer_state.global_step, .epoch, .max_steps) and
+# two callbacks, log_metric(name, value) (a scalar averaged into the next log line) and log_extra(column, values)
+# (one value per completion, shown beside the logged completions); given to the functions that take them
+TRL_EXTRAS = ("trainer_state", "log_metric", "log_extra")
 
 
 def load_function(spec: str, where: str) -> Callable:
@@ -68,8 +72,34 @@ def needed_columns(function: Callable) -> list[str]:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in PASSED
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in PASSED + TRL_EXTRAS
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def takes(function: Callable, name: str) -> bool:
+    """Whether `function` accepts the keyword `name` (by name or through **kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def load_reward(spec, where: str) -> Callable:
+    """rl.rewards[i].function, or the function a factory returns when the recipe gives its `args` (TRL's
+    get_soft_overlong_punishment(max_completion_len=..., soft_punish_cache=...), say)."""
+    function = load_function(spec.function, where)
+    if spec.args is None:
+        return function
+    try:
+        made = function(**spec.args)
+    except Exception as exc:
+        raise DisttrainError(f"{where}: {spec.function}(**args) raised {type(exc).__name__}: {str(exc)[:200]} "
+                             "(args are passed by name)") from None
+    if not callable(made):
+        raise DisttrainError(f"{where}: {spec.function}(**args) returned {type(made).__name__}, not a reward "
+                             "function (give args only to a factory that returns one)")
+    return made
 
 
 @dataclass
@@ -90,7 +120,7 @@ class Rewards:
     """The recipe's reward functions, loaded and checked against the data's columns."""
 
     def __init__(self, rl):
-        self.items = [Reward(name, load_function(spec.function, f"rl.rewards[{i}]") if spec.function else
+        self.items = [Reward(name, load_reward(spec, f"rl.rewards[{i}]") if spec.function else
                              RewardModel(spec.model, f"rl.rewards[{i}]"), spec.weight)
                       for i, (name, spec) in enumerate(zip(reward_names(rl), rl.rewards))]
         self.weights = torch.tensor([r.weight for r in self.items], dtype=torch.float32)
@@ -104,12 +134,20 @@ class Rewards:
                                      f"does not have (its columns: {', '.join(sorted(columns))}); map it with the "
                                      "source's columns or use another function")
 
+    def prepare(self, accelerator) -> None:
+        """Reward models learn where the run's weights live (a ZeRO-3 run must not partition theirs)."""
+        for reward in self.items:
+            if isinstance(reward.function, RewardModel):
+                reward.function.accelerator = accelerator
+
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
-              where: Callable[[int], str]) -> torch.Tensor:
-        """[completions, functions] float32 rewards (NaN: not scored). `where(i)` names completion i."""
+              where: Callable[[int], str], extras: dict | None = None) -> torch.Tensor:
+        """[completions, functions] float32 rewards (NaN: not scored). `where(i)` names completion i; `extras`:
+        TRL_EXTRAS by name, given to the functions that take them."""
         table = torch.full((len(completions), len(self.items)), float("nan"))
         for j, reward in enumerate(self.items):
-            values = self._call(reward, prompts, completions, completion_ids, columns, where, j)
+            passed = {**columns, **{k: v for k, v in (extras or {}).items() if takes(reward.function, k)}}
+            values = self._call(reward, prompts, completions, completion_ids, passed, where, j)
             for i, value in enumerate(values):
                 if value is None:
                     continue
@@ -126,7 +164,8 @@ class Rewards:
         def call(rows):
             return reward.function(prompts=[prompts[i] for i in rows], completions=[completions[i] for i in rows],
                                    completion_ids=[completion_ids[i] for i in rows],
-                                   **{k: [values[i] for i in rows] for k, values in columns.items()})
+                                   **{k: values if k in TRL_EXTRAS else [values[i] for i in rows]
+                                      for k, values in columns.items()})
 
         rows = list(range(len(completions)))
         try:
@@ -167,8 +206,15 @@ class RewardModel:
     def __init__(self, path: str, where: str):
         self.path, self.where = path, where
         self.model = self.tokenizer = None
+        self.accelerator = None  # set by Rewards.prepare
 
     def _load(self):
+        from disttrain.model.export import without_zero3_init
+
+        with without_zero3_init(self.accelerator):  # a plain model: ZeRO-3's registered config would partition it
+            self._load_whole()
+
+    def _load_whole(self):
         from pathlib import Path
 
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -1,17 +1,16 @@
 """Rollouts for training.objective: grpo: completions sampled from the current policy with transformers'
 generate(), and the training rows made of them.
 
-Each prompt's num_generations completions are sampled in one generate() call of their own (the prompt repeated,
-no padding), under a seed made of the run's seed, the step's prompt batch and the prompt's row: the draws do not
-depend on which rank holds the prompt, on how prompts are batched or on the process's random state (forked, so
-dropout's stream is untouched). So every strategy samples what one process samples, a tensor-parallel group's
-ranks sample alike, and a resumed run samples what an uninterrupted one would.
+All of a step's prompts x rl.num_generations completions are sampled in one generate() call per rank (at most
+rl.rows_per_generate rows a call), the prompts left-padded. Each completion draws from its own seed (sampling.py:
+the run's seed, the prompt batch, the prompt's row and the completion's index), so its tokens depend neither on
+the rows beside it nor on which rank holds it nor on the process's random state: every strategy samples what one
+process samples, and a resumed run samples what an uninterrupted one would.
 
-Under several processes generate() runs with synced_gpus: a rank whose completions have all ended keeps running
-forward passes (without sampling) until every rank's have, because FSDP2 and ZeRO-3 gather each layer's weights
-collectively in every forward (and tensor parallelism reduces inside it): a rank that stopped early would leave the
-others waiting forever. Completions end at an EOS token (kept, and trained on) or at rl.max_completion_length
-(truncated).
+generate() runs with synced_gpus only where the forward has collectives (FSDP2 and ZeRO-3 gathering each layer,
+when the whole model is not gathered once for the rollout: runtime/rollout_weights.py): there a rank whose
+completions have all ended keeps running forward passes until every rank's have. Completions end at an EOS token
+(kept, and trained on) or at rl.max_completion_length (truncated).
 """
 
 from __future__ import annotations
@@ -19,18 +18,15 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SQUARES_KEY
+from disttrain.objectives import sampling
 
 MASK_KEY = "rl_mask"              # [rows, seq]: 1 at the positions predicting a completion token trained on
 ADVANTAGES_KEY = "rl_advantages"  # [rows]
 OLD_KEY = "rl_old_logps"          # [rows, seq]: log-probs at generation (rl.num_iterations > 1)
 REF_KEY = "rl_ref_logps"          # [rows, seq]: the reference's log-probs (rl.beta > 0)
-ROLLOUT_KEYS = (MASK_KEY, ADVANTAGES_KEY, OLD_KEY, REF_KEY)
-
-
-def completion_seed(seed: int, batch: int, prompt_row: int) -> int:
-    """The sampling seed of one prompt's completions in one prompt batch (a step, or mu steps with
-    rl.num_iterations): the same whichever rank samples them."""
-    return (seed * 1_000_003 + batch * 7_919 + prompt_row) % (2**63 - 1)
+SAMPLED_KEY = "rl_sampled_logps"  # [rows, seq]: the vLLM server's log-probs of the completion tokens
+ENGINE_KEY = "rl_engine_weights"  # [rows, seq] or [rows, 1]: the importance-sampling correction of them
+ROLLOUT_KEYS = (MASK_KEY, ADVANTAGES_KEY, OLD_KEY, REF_KEY, SAMPLED_KEY, ENGINE_KEY)
 
 
 def eos_ids(tokenizer, module) -> list[int]:
@@ -42,35 +38,43 @@ def eos_ids(tokenizer, module) -> list[int]:
 
 
 @torch.no_grad()
-def sample(module, rl, prompt: list[int], seed: int, eos: list[int], pad_id: int, device,
+def sample(module, rl, prompts: list[list[int]], seeds: list[int], eos: list[int], pad_id: int, device,
            synced: bool) -> list[tuple[list[int], bool]]:
-    """rl.num_generations (completion ids, truncated) of one prompt, sampled by `module` (the bare model, in
-    eval mode; every rank calls this as often as the others when `synced`)."""
-    from transformers import GenerationConfig
-
-    ids = torch.tensor([prompt] * rl.num_generations, device=device)
-    # a config of its own, as TRL builds one: the checkpoint's generation defaults (top_k 50, repetition
-    # penalties) would sample from another distribution than the one the loss takes log-probs of
-    config = GenerationConfig(do_sample=True, temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k or 0,
-                              max_new_tokens=rl.max_completion_length, eos_token_id=eos, pad_token_id=pad_id,
-                              use_cache=True)
-    forked = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked):
-        torch.manual_seed(seed)
-        out = module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                              synced_gpus=synced)
+    """One completion per (prompt, seed) -- (ids, truncated) -- sampled by `module` (the bare model, in eval
+    mode) in ceil(rows / rl.rows_per_generate) generate() calls; every rank makes as many calls when `synced`."""
+    step = rl.rows_per_generate or len(prompts)
     completions = []
-    for row in out[:, len(prompt):].tolist():
+    for start in range(0, len(prompts), step):
+        completions += _generate(module, rl, prompts[start:start + step], seeds[start:start + step], eos, pad_id,
+                                 device, synced)
+    return completions
+
+
+def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced) -> list[tuple[list[int], bool]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left-padded: every row's completion starts at `width`
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention[row, width - len(prompt):] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    with sampling.bare_generation_config(module, eos, pad_id, rl.max_completion_length,
+                                         static_cache=rl.engine == "static") as config:
+        out = module.generate(input_ids=ids, attention_mask=attention, generation_config=config,
+                              logits_processor=sampling.processors(rl, seeds, width, device), synced_gpus=synced)
+    completions = []
+    for row in out[:, width:].tolist():
         end = next((i for i, token in enumerate(row) if token in eos), None)
         completions.append((row[:end + 1], False) if end is not None else (row, True))
     return completions
 
 
 def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], bool]], pad_id: int,
-                  mask_truncated: bool, device) -> dict:
+                  mask_truncated: bool, device, sampled_logps: list[list[float]] | None = None) -> dict:
     """Rows of prompt + completion, right-padded: labels on the completion tokens trained on, MASK_KEY at the
     positions predicting them (the layout of the chunked head's per-position log-probs), and the bookkeeping the
-    loop counts tokens and FLOPs by. `prompts`: each completion's prompt."""
+    loop counts tokens and FLOPs by. `prompts`: each completion's prompt; `sampled_logps`: an engine's log-probs
+    of each completion's tokens, laid out like MASK_KEY (SAMPLED_KEY)."""
     longest = max(len(p) + len(c) for p, (c, _) in zip(prompts, completions))
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -86,4 +90,8 @@ def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], b
     lengths = attention.sum(-1)
     batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels, MASK_KEY: mask,
              LENGTHS_KEY: lengths, SQUARES_KEY: lengths * lengths}
+    if sampled_logps is not None:
+        batch[SAMPLED_KEY] = torch.zeros(len(prompts), longest, dtype=torch.float32)
+        for row, (prompt, values) in enumerate(zip(prompts, sampled_logps)):
+            batch[SAMPLED_KEY][row, len(prompt) - 1:len(prompt) - 1 + len(values)] = torch.tensor(values)
     return {k: v.to(device) for k, v in batch.items()}

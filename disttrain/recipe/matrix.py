@@ -192,12 +192,19 @@ RL_VARIANT = {
     "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
     "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0"),  # KL to the adapters-off reference
     "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
-    "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0", "rl.entropy_coef=0.05"),
-    "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true"),
-    "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05"),
-    "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004"),
+    # the rollouts' per-layer gathers (a model too large to gather whole), with a sampling filter each
+    "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0", "rl.entropy_coef=0.05", "rl.generation_weights=per_layer",
+                     "rl.top_k=20"),
+    # DAPO's resampling, on a coarse reward whose groups often score alike (answer_words logged, weighed 0)
+    "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true", "rl.dynamic_sampling=2",
+             "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
+             "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
+    "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05", "rl.repetition_penalty=1.3"),
+    "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004",
+              "rl.rows_per_generate=3"),
     "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05"),  # the old policy; a ZeRO-3 frozen copy
-    "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8"),
+    "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8", "rl.generation_weights=per_layer",
+                      "rl.min_p=0.05"),
 }
 # The reward-model runs: full or LoRA (the score head trained in full beside the adapters), the centring term on
 # or off, in turn.

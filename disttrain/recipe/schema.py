@@ -247,17 +247,39 @@ class RewardSection(_Section):
                               "of a sequence-classification checkpoint with one label, e.g. the final/ of a "
                               "training.objective: reward run), scoring prompt + completion; held whole on every "
                               "rank, in eval mode")
+    args: dict[str, Any] | None = Field(None, description="With function: the function is a factory, called "
+                                        "with these keyword arguments to make the reward function (TRL's "
+                                        "trl.rewards:get_soft_overlong_punishment with {max_completion_len: 256, "
+                                        "soft_punish_cache: 64}, say)")
     weight: float = Field(1.0, description="Its weight in the summed reward")
 
     @model_validator(mode="after")
     def _one_scorer(self):
         if (self.function is None) == (self.model is None):
             raise ValueError("give function (module:function) or model (a reward model's directory), one of them")
+        if self.args is not None and self.function is None:
+            raise ValueError("args are given to a reward function factory (function:), not to a reward model")
         return self
 
     def label(self) -> str:
         """The reward's name in the metrics (rewards/<label>/mean)."""
         return self.function.rpartition(":")[2] if self.function else "reward_model"
+
+
+class VLLMSection(_Section):
+    """rl.engine: vllm -- a vLLM server (docs/rl.md, 'vLLM'; unverified on this project's machines)."""
+
+    server: str = Field("http://localhost:8000", description="The server's base URL (started apart: "
+                        "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"nccl\"}' "
+                        "--logprobs-mode processed_logprobs --max-logprobs -1, on GPUs of its own)")
+    timeout_s: float = Field(240.0, ge=0, description="How long to wait for the server to answer at the start")
+    group_port: int = Field(51216, ge=1, le=65535, description="The weight-transfer group's port (TRL's)")
+    importance_sampling: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "off"] = Field(
+        "sequence_mask", description="The correction for the server's and the trainer's log-probs differing, as "
+        "TRL's vllm_importance_sampling_mode computes it (off: none)")
+    importance_sampling_min: float | None = Field(None, ge=0, description="Ratios below this are clipped (truncate) "
+                                                  "or masked (mask); null: no lower bound")
+    importance_sampling_max: float = Field(3.0, gt=0, description="Ratios above this are clipped or masked")
 
 
 class RLSection(_Section):
@@ -281,6 +303,24 @@ class RLSection(_Section):
                                "it too, as TRL does")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling")
     top_k: int | None = Field(None, ge=1, description="Top-k sampling (null: off)")
+    min_p: float | None = Field(None, gt=0, lt=1.0, description="Min-p sampling: tokens below min_p x the most "
+                                "likely token's probability are left out (null: off)")
+    repetition_penalty: float = Field(1.0, gt=0, description="transformers' repetition penalty (1.0: off); the "
+                                      "log-probs trained on do not include it, as in TRL")
+    rows_per_generate: int | None = Field(None, ge=1, description="Completions sampled per generate() call at "
+                                          "most (null: all of the step's on this rank in one call); lower it when "
+                                          "the KV cache of the whole step does not fit. The samples do not depend "
+                                          "on it")
+    engine: Literal["generate", "static", "vllm"] = Field(
+        "generate", description="What samples the completions: generate -> transformers' generate() with its "
+        "dynamic KV cache, in the trainer; static -> the same with transformers' static KV cache, whose decode step "
+        "transformers compiles on GPUs (on CPU processes nothing is compiled); vllm -> a vLLM server (rl.vllm), "
+        "the weights pushed to it before each rollout (docs/rl.md)")
+    vllm: VLLMSection = VLLMSection()
+    generation_weights: Literal["auto", "whole", "per_layer"] = Field(
+        "auto", description="FSDP2 and ZeRO-3 rollouts: whole -> the model gathered once per rollout (no "
+        "collectives while decoding); per_layer -> each layer gathered for every generated token; auto -> whole "
+        "when the gathered model and the KV cache fit in 90% of the device's free memory (docs/rl.md)")
     epsilon: float = Field(0.2, gt=0, description="Clipping: the ratio is kept within [1 - epsilon, 1 + "
                            "epsilon_high]")
     epsilon_high: float | None = Field(None, gt=0, description="The upper clip (null: epsilon; DAPO uses 0.28; "
@@ -297,6 +337,13 @@ class RLSection(_Section):
                                              "are left out of the loss")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: minus this x the mean entropy of the "
                                 "policy at the completion tokens of each micro-batch (as TRL's entropy_coef)")
+    dynamic_sampling: int = Field(0, ge=0, description="DAPO's dynamic sampling: a prompt whose completions all "
+                                  "got the same reward (no signal) is sampled again with fresh seeds, up to this "
+                                  "many rounds per step (0: off); metrics: dynamic_sampling/resampled_groups")
+    disable_dropout: bool = Field(True, description="Dropout off in the policy (LoRA's included): the completions, "
+                                  "the old policy's log-probs and the trained ones then come from one distribution, "
+                                  "and the first ratio of rl.num_iterations is exactly 1 (TRL's disable_dropout; "
+                                  "its default is false)")
     rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions and their "
                                          "weights: [{function: module:function, weight: 1.0}, ...]")
 
@@ -521,6 +568,9 @@ class Recipe(_Section):
             raise ValueError("training.objective: grpo has no held-out evaluation yet: remove data.eval_path / "
                              "eval_split / eval_fraction and training.eval_every (the rewards of every step are in "
                              "metrics.jsonl)")
+        if rl.engine == "vllm" and self.lora is not None and (self.lora.use_dora or self.lora.target_parameters):
+            raise ValueError("rl.engine: vllm pushes each weight with LoRA's update added (W + B A): DoRA and "
+                             "lora.target_parameters are not pushed yet; use rl.engine: generate")
         if rl.beta > 0 and rl.reference == "adapters" and self.lora is None:
             raise ValueError("rl.reference: adapters needs a lora section (the base model with the adapters disabled "
                              "is the reference); use auto or model")

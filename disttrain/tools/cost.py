@@ -91,6 +91,10 @@ class Workload:
     rollout_forwards: float = 0.0
     generated_share: float = 0.0
     decode_tokens_per_s: float | None = None
+    # online RL: completions sampled per generate() call on a GPU and tokens per row (prompt + completion): the
+    # KV cache of a rollout
+    rollout_rows: int = 0
+    rollout_tokens: int = 0
     routing: tuple[int, int] | None = None  # mixture of experts: (experts per block, experts per token)
 
 
@@ -341,9 +345,33 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     if reference != "none":
         title += f", {'GRPO' if rollout else 'DPO'} reference: {reference}"
     rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
-                                                         "decode_tokens_per_s")}
+                                                         "decode_tokens_per_s", "rollout_rows", "rollout_tokens")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
                     no_sync_bytes, loss_impl, reference, **rollout, routing=routing), title
+
+
+SHARDED = ("fsdp", "fsdp_offload", "hsdp", "zero3", "zero3_offload")  # the rows whose rollouts may gather
+
+
+def rollout_weights_lines(w: Workload, result: dict) -> list[str]:
+    """Online RL under FSDP2 / ZeRO-3: whether a rollout gathers the whole model once (rl.generation_weights: auto,
+    runtime/rollout_weights.py) -- the model in bf16 plus the rollout's KV cache within 90% of what a GPU has left
+    beside the strategy's need -- or each layer for every generated token."""
+    if not w.rollout_rows or w.shape is None:
+        return []
+    from disttrain.runtime.rollout_weights import HEADROOM
+
+    whole = w.params * 2 / 1e9
+    shape = w.shape
+    heads = shape.kv_heads or shape.heads
+    kv = 2 * shape.layers * heads * shape.head_dim * w.rollout_rows * w.rollout_tokens * 2 / 1e9
+    memory = result["gpu"]["memory_gb"]
+    verdicts = [f"{r['strategy']} {'whole' if whole + kv <= HEADROOM * (memory - r['need_gb']) else 'per layer'}"
+                for r in result["rows"] if r["strategy"] in SHARDED]
+    return [f"Rollouts (rl.generation_weights: auto): the whole model ({whole:.1f} GB in bf16) + the KV cache of "
+            f"{w.rollout_rows} rows x {w.rollout_tokens} tokens ({kv:.1f} GB) gathered once per rollout if within "
+            f"{HEADROOM:.0%} of what a GPU has left, else each layer per generated token: {', '.join(verdicts)} "
+            "(docs/rl.md)."] if verdicts else []
 
 
 def _rollout(recipe, args) -> dict:
@@ -352,7 +380,9 @@ def _rollout(recipe, args) -> dict:
     rl = recipe.rl
     seq_len = recipe.data.max_seq_len + rl.max_completion_length
     passes = 1 + (rl.num_iterations > 1) + (recipe.rl_reference() != "none")
+    rows = recipe.training.micro_batch_size * recipe.training.grad_accum * rl.num_generations  # a step's, a GPU
     return {"seq_len": seq_len, "micro": recipe.training.micro_batch_size * rl.num_generations,
+            "rollout_rows": min(rows, rl.rows_per_generate or rows), "rollout_tokens": seq_len,
             "rollout_forwards": passes / rl.num_iterations,
             "generated_share": rl.max_completion_length / seq_len / rl.num_iterations,
             "decode_tokens_per_s": args.decode_tokens_per_s}
@@ -444,6 +474,7 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
             f"{r['mfu']:>6.0%}  {r['mfu_source']:<10}"
             f"{_fmt_hours(r['hours']):>12}{r['gpu_hours']:>12,.0f}{'$' + format(r['cost'], ',.0f'):>12}")
     lines.append("")
+    lines += rollout_weights_lines(w, result)
     traffic = result.get("expert_traffic")
     if traffic:
         lines.append(f"Experts' traffic per GPU and micro-batch: FSDP2 / ZeRO-3 gather (and reduce) "

@@ -29,3 +29,9 @@ def letters(completions, **kwargs) -> list[float]:
     dense shaping reward, different for nearly every completion of a random model, rising as the policy stops
     writing stray bytes."""
     return [sum(ch.islower() or ch == " " for ch in _text(c)) / max(len(_text(c)), 1) for c in completions]
+
+
+def starts_with_a_word(completions, **kwargs) -> list[float]:
+    """1 when the completion starts with a lowercase letter, else 0: a coarse reward whose groups often score all
+    alike (no signal), what rl.dynamic_sampling redraws."""
+    return [float(_text(c)[:1].islower()) for c in completions]

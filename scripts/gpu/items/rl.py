@@ -68,3 +68,107 @@ def reward_model(ctx: Ctx) -> tuple[str, str]:
     accuracy = evals[-1]["eval_rewards/accuracy"]
     ctx.figures.update(eval_pair_accuracy=accuracy)
     return PASS, f"{steps} steps, eval pair accuracy {accuracy:.2f}; the export loads with one label"
+
+
+# a ~0.75B Llama shape (random weights, the tiny tokenizer's vocabulary): decoding a model of this size is what the
+# rollout engines are compared on; the CPU dry run keeps the acceptance model
+DECODE_SHAPE = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
+                    num_key_value_heads=8, max_position_embeddings=2048)
+
+
+def _decode_model(ctx: Ctx):
+    """The model the engines decode: DECODE_SHAPE on a GPU (made once, bf16 safetensors), else the acceptance
+    model."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ctx.model_dir
+    folder = ctx.work / "decode-model"
+    if not (folder / "config.json").is_file():
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(ctx.model_dir)
+        for key, value in DECODE_SHAPE.items():
+            setattr(config, key, value)
+        config.head_dim = DECODE_SHAPE["hidden_size"] // DECODE_SHAPE["num_attention_heads"]
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ctx.model_dir).save_pretrained(folder)
+    return folder
+
+
+def _grpo_tree(ctx: Ctx, run, model_dir, steps: int, rl: dict) -> dict:
+    from disttrain.runtime.launcher import REPO
+
+    rewards = [{"function": f"{REPO}/recipes/tiny/rewards.py:letters"},
+               {"function": f"{REPO}/recipes/tiny/rewards.py:answer_words"}]
+    tree = recipe(ctx, run, data={"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt", "packing": False,
+                                  "max_seq_len": 64},
+                  training={"objective": "grpo", "max_steps": steps, "micro_batch_size": 4, "grad_accum": 2,
+                            "lr": 1e-5, "lr_scheduler": "constant", "warmup_steps": 0},
+                  rl={"num_generations": 8, "max_completion_length": 128, "rewards": rewards, **rl},
+                  output={"save_final_model": False, "checkpoint_at_end": False})
+    tree["model"]["name_or_path"] = str(model_dir)
+    return tree
+
+
+def _rollout_figures(run) -> tuple[float, float, dict]:
+    """(rollout tokens/s over the run, sampling share of the step time, {step: reward}), the first step (compile,
+    warm-up) left out."""
+    records = [r for r in read_metrics(run) if "reward" in r and r["step"] > 1]
+    rollout_s = sum(r["rollout_s"] for r in records)
+    tokens = sum(r["rollout_tokens_per_s"] * r["rollout_s"] for r in records)
+    share = rollout_s / max(sum(r["step_time_s"] for r in records), 1e-9)
+    return tokens / max(rollout_s, 1e-9), share, {r["step"]: r["reward"] for r in records}
+
+
+def grpo_engines(ctx: Ctx) -> tuple[str, str]:
+    """The in-process rollout engines on one GPU, a ~0.75B model in bf16, 64 completions of up to 128 tokens per
+    step: rl.engine generate (dynamic KV cache) against static (static KV cache, the decode step compiled by
+    transformers). Rollout tokens/s of each (the first step, with the compile, left out), their ratio, the sampling
+    share of the step, and on how many steps the two sampled alike (bf16 kernels differ between the compiled and
+    eager decode: recorded, not failed)."""
+    steps = max(ctx.s.steps, 4)
+    model_dir = _decode_model(ctx)
+    figures = {}
+    for engine in ("generate", "static"):
+        run = ctx.item_dir / engine
+        _, log = train(ctx, engine, "single_gpu", _grpo_tree(ctx, run, model_dir, steps, {"engine": engine}))
+        require_finite_losses(run, steps, log)
+        figures[engine] = _rollout_figures(run)
+    (fast, fast_share, rewards), (static, static_share, static_rewards) = figures["generate"], figures["static"]
+    alike = sum(static_rewards.get(s) == r for s, r in rewards.items())
+    ctx.figures.update(generate_tokens_per_s=fast, static_tokens_per_s=static, static_over_generate=static / fast,
+                       generate_sampling_share=fast_share, static_sampling_share=static_share,
+                       steps_sampled_alike=alike, steps_compared=len(rewards))
+    return PASS, (f"rollouts: generate {fast:.0f} tokens/s ({fast_share:.0%} of the step), static {static:.0f} "
+                  f"({static_share:.0%}): x{static / fast:.2f}; {alike}/{len(rewards)} steps sampled alike")
+
+
+def grpo_gather(ctx: Ctx, config: str, nproc: int = 2) -> tuple[str, str]:
+    """Gather-once under FSDP2 or ZeRO-3 on 2 GPUs: the same GRPO run with rl.generation_weights whole and
+    per_layer, the ~0.75B model in bf16; rollout seconds of each, their ratio, and the rewards equal at every step
+    (the same weights decode either way). SKIP below 2 GPUs."""
+    from harness import require_gpus
+
+    require_gpus(nproc, config)
+    steps = max(ctx.s.steps, 4)
+    model_dir = _decode_model(ctx)
+    seconds, rewards = {}, {}
+    for weights in ("whole", "per_layer"):
+        run = ctx.item_dir / weights
+        _, log = train(ctx, weights, config, _grpo_tree(ctx, run, model_dir, steps, {"generation_weights": weights}),
+                       nproc=nproc)
+        require_finite_losses(run, steps, log)
+        records = [r for r in read_metrics(run) if "reward" in r and r["step"] > 1]
+        seconds[weights], rewards[weights] = sum(r["rollout_s"] for r in records), {r["step"]: r["reward"]
+                                                                                     for r in records}
+    equal = sum(rewards["whole"].get(s) == r for s, r in rewards["per_layer"].items())
+    ratio = seconds["per_layer"] / max(seconds["whole"], 1e-9)
+    ctx.figures.update(whole_rollout_s=seconds["whole"], per_layer_rollout_s=seconds["per_layer"],
+                       per_layer_over_whole=ratio, steps_rewards_equal=equal, steps_compared=len(rewards["whole"]))
+    if equal != len(rewards["per_layer"]):
+        raise Fail(f"{config}: the whole and per-layer rollouts' rewards differ on "
+                   f"{len(rewards['per_layer']) - equal} of {len(rewards['per_layer'])} steps", log)
+    return PASS, (f"{config}: rollouts {seconds['whole']:.1f} s whole vs {seconds['per_layer']:.1f} s per layer "
+                  f"(x{ratio:.1f}); rewards equal at every step")

@@ -1,0 +1,192 @@
+"""The model an online-RL rollout samples from, and whether its generate() must run in step across ranks.
+
+Under DDP and ZeRO-1/2 every rank holds the whole model: the forward has no collectives, each rank decodes on its
+own (no synced_gpus). Under FSDP2 and ZeRO-3 no rank does, and each layer would be all-gathered for every
+generated token -- the weights cross the network max_completion_length times per rollout. So the whole model is
+gathered once for the rollout when it fits (as TRL's ds3_gather_for_generation does for ZeRO-3), and decoding
+is again collective-free; when it does not fit, the per-layer path stays, with synced_gpus (a rank whose
+completions have ended keeps joining the others' gathers), and the log says so.
+
+The rule (rl.generation_weights: auto): the gathered model (its parameters at the dtype they compute in) plus
+the rollout's KV cache must fit in 90% of the device's free memory (a GPU's free plus the allocator's cached
+bytes; on CPU processes, the host's available memory), on every rank -- the ranks decide together, since the
+gather is itself a collective. `make cost` prints the same sum for a recipe (its RL rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from disttrain.runtime.backends import generating
+
+HEADROOM = 0.9  # the share of free memory the gathered model and the KV cache may take
+# the DeepSpeed engine's forward hooks (its forward prologue and epilogue: timers, ZeRO-3's external-parameter
+# discovery over every module), idle while every weight is gathered
+ENGINE_HOOKS = ("module_forward_pre_hook", "module_forward_post_hook")
+
+
+def kv_cache_bytes(config, rows: int, tokens: int, element_size: int) -> int:
+    """Keys and values of every layer for `rows` sequences of `tokens` tokens."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * rows * tokens * element_size
+
+
+def free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _sharding(accelerator) -> str | None:
+    """'fsdp2', 'zero3' or None (every rank holds the whole model)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return "fsdp2"
+    plugin = accelerator.state.deepspeed_plugin
+    return "zero3" if plugin is not None and plugin.zero_stage == 3 else None
+
+
+def _whole_bytes(module, sharding: str, compute_dtype: torch.dtype | None) -> int:
+    """The model's parameters gathered, at the dtype the forward computes them in."""
+    total = 0
+    for param in module.parameters():
+        numel = param.ds_numel if sharding == "zero3" else param.numel()  # a DTensor's numel is the whole one
+        dtype = param.ds_tensor.dtype if sharding == "zero3" else param.dtype
+        total += numel * (compute_dtype or dtype).itemsize
+    return total
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2 ** 30:.2f} GiB"
+
+
+class RolloutWeights:
+    """Owned by a run's rollouts: decides, each rollout, how the policy is held while it samples, and says it
+    in the log when the decision is new."""
+
+    def __init__(self, accelerator, rl):
+        self.accelerator, self.rl = accelerator, rl
+        self.sharding = _sharding(accelerator)
+        self.said: str | None = None
+
+    @property
+    def collective(self) -> bool:
+        """Whether a rollout is a collective (a gather, whole or per layer): every rank takes part."""
+        return self.sharding is not None and self.accelerator.num_processes > 1
+
+    @contextlib.contextmanager
+    def model(self, model, decode_shape: tuple[int, int], whole: bool = False):
+        """Yields (the bare model in eval mode, whether generate() needs synced_gpus). `decode_shape`: (rows per
+        generate call, tokens per row at most); `whole`: gathered whole whatever the rule says (a vLLM push)."""
+        with generating(self.accelerator, model) as module:
+            if self.sharding is None:
+                yield module, False
+                return
+            whole = whole or self._whole(module, decode_shape)
+            if not whole:
+                yield module, True
+                return
+            gather = _fsdp2_whole if self.sharding == "fsdp2" else _zero3_whole
+            with gather(module if self.sharding == "fsdp2" else model):
+                yield module, False
+
+    def _whole(self, module, decode_shape: tuple[int, int]) -> bool:
+        choice = self.rl.generation_weights
+        compute = self._compute_dtype()
+        weights = _whole_bytes(module, self.sharding, compute)
+        element = (compute or next(module.parameters()).dtype).itemsize
+        cache = kv_cache_bytes(module.config, *decode_shape, element)
+        free = free_device_bytes(self.accelerator.device)
+        fits = weights + cache <= HEADROOM * free
+        if choice == "auto" and self.accelerator.num_processes > 1:  # every rank's memory: they gather together
+            flag = torch.tensor([0.0 if fits else 1.0], device=self.accelerator.device)
+            fits = float(self.accelerator.reduce(flag, reduction="max")) == 0.0
+        whole = choice == "whole" or (choice == "auto" and fits)
+        sizes = f"model {_gib(weights)} + KV cache {_gib(cache)}, {_gib(free)} free on rank 0"
+        said = (f"rollouts: the whole model gathered once per rollout ({sizes}; rl.generation_weights: {choice})"
+                if whole else f"rollouts: each layer gathered for every generated token, generate() in step across "
+                f"ranks ({sizes}{'' if choice != 'auto' else ': more than 90% of it'}; rl.generation_weights: "
+                f"{choice})")
+        if said.split(" (")[0] != (self.said or "").split(" (")[0]:
+            self.accelerator.print(said)
+        self.said = said
+        return whole
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        """The dtype the weights are gathered in under mixed precision (None: their own)."""
+        precision = str(getattr(self.accelerator, "mixed_precision", "no"))
+        if self.sharding == "fsdp2":
+            plugin = self.accelerator.state.fsdp_plugin
+            policy = getattr(plugin, "mixed_precision_policy", None)
+            return getattr(policy, "param_dtype", None)
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+@contextlib.contextmanager
+def _fsdp2_whole(module):
+    """Every FSDP2 unit unsharded for the rollout and kept so through its forwards (reshard-after-forward off),
+    then resharded and its setting put back. FSDP2's public set_reshard_after_forward cannot say what it was, so
+    the per-group setting is saved and restored as torch holds it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        saved.append((state, state._auto_reshard_after_forward,
+                      [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for state, auto, infos in saved:
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def _zero3_whole(engine):
+    """ZeRO-3: every parameter gathered (deepspeed.zero.GatheredParameters) and its per-module fetch/release hooks
+    taken off for the rollout, then put back (as TRL's unwrap_model_for_generation does). DeepSpeed's
+    memory-efficient linear, which replaces torch's F.linear for the whole run, saves activations for a backward
+    that sampling never runs and costs an autograd function per call (1.5x the tiny model's decode time here):
+    torch's own is put back meanwhile."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    linear = torch.nn.functional.linear
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", linear)
+        if offload is not None:
+            for param in offload.module.parameters():
+                param.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+        engine_hooks = [getattr(engine, name, None) for name in ENGINE_HOOKS]
+        for hook in engine_hooks:  # the engine's own, which walk every module at every forward
+            if hook is not None:
+                hook.remove()
+        try:
+            yield
+        finally:
+            torch.nn.functional.linear = linear
+            for name, hook in zip(ENGINE_HOOKS, engine_hooks):
+                if hook is not None:
+                    setattr(engine, name, getattr(engine, f"_create_{name}")())
+            if offload is not None:  # re-registering the root invalidates the prefetch trace of the training steps
+                offload._register_deepspeed_module(offload.module)
