@@ -129,7 +129,7 @@ def _write(tmp_path, body: str) -> str:
 
 
 def test_trls_reward_function_extras_are_given_not_refused_as_columns(tmp_path):
-    from disttrain.objectives.grpo import RolloutWindow
+    from disttrain.objectives.rl_metrics import RolloutWindow
     from disttrain.objectives.rewards import Rewards
 
     path = _write(tmp_path, "def staged(completions, trainer_state, log_metric, log_extra, **kw):\n"
@@ -172,7 +172,7 @@ def test_a_reward_factory_takes_its_arguments_from_the_recipe():
 def test_a_group_with_an_unscored_completion_is_zero_std_as_trl_counts_it():
     from trl.trainer.utils import nanstd as trl_nanstd
 
-    from disttrain.objectives.grpo import RolloutWindow
+    from disttrain.objectives.rl_metrics import RolloutWindow
 
     nan = math.nan
     summed = torch.tensor([1.0, nan, 0.0, 1.0,   # spread among the scored: signal
@@ -233,16 +233,38 @@ def test_dropout_is_off_in_the_policy_so_the_first_ratio_is_one(tiny_model_dir, 
 
 
 # --------------------------------------------------------------------------------------- the whole-model rule
-def test_the_kv_cache_and_the_whole_model_rule(tiny_model_dir):
-    from transformers import AutoConfig
+def test_the_whole_model_rule_decides_once_says_so_and_keeps_the_forward_collective_free_or_synced(
+        model, monkeypatch):
+    """RolloutWeights with the tiny model standing in for a sharded one: whole when the model and the KV cache fit
+    in 90% of the free memory (no synced_gpus), per layer when not (synced_gpus), forced either way by
+    rl.generation_weights; decided once for a shape, again for a larger one; the log line at each change."""
+    from disttrain.runtime import rollout_weights
+    from disttrain.runtime.rollout_weights import HEADROOM, RolloutWeights, kv_cache_bytes
 
-    from disttrain.runtime.rollout_weights import HEADROOM, kv_cache_bytes
+    said = []
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, print=said.append,
+                                  mixed_precision="no", unwrap_model=lambda m, keep_torch_compile: m,
+                                  distributed_type="NO", state=SimpleNamespace(
+                                      deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(mixed_precision_policy=None)))
+    weights_bytes = sum(p.numel() * 4 for p in model.parameters())
+    cache = kv_cache_bytes(model.config, 8, 100, 4)
+    free = [(weights_bytes + cache) / HEADROOM + 1]
+    monkeypatch.setattr(rollout_weights, "free_device_bytes", lambda device: free[0])
 
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    assert kv_cache_bytes(config, 64, 300, 2) == 2 * config.num_hidden_layers * heads * head_dim * 64 * 300 * 2
-    assert HEADROOM == 0.9
+    def decide(rl, shape=(8, 100)):
+        holder = RolloutWeights(accelerator, rl) if rl is not None else held
+        holder.sharding = "fsdp2"
+        with holder.model(model, shape) as (_, synced):
+            return holder, synced
+
+    held, synced = decide(RLSection())
+    assert not synced and said[-1].startswith("rollouts: the whole model gathered once per rollout")
+    free[0] -= 2  # no longer fits, but the shape was decided on: the decision stands, nothing said
+    assert decide(None) == (held, False) and len(said) == 1
+    assert decide(None, (8, 101))[1] is True  # a larger shape: decided again, per layer now
+    assert said[-1].startswith("rollouts: each layer gathered for every generated token") and len(said) == 2
+    assert decide(RLSection(generation_weights="whole"))[1] is False
+    assert decide(RLSection(generation_weights="per_layer"), (1, 1))[1] is True
 
 
 def test_the_static_cache_engine_samples_what_generate_samples(model, tokenizer):
@@ -429,3 +451,48 @@ def test_a_vllm_run_without_a_server_stops_before_the_model_loads(tmp_path, tiny
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"no vLLM server answers at {url}/health" in errors[0], proc.stderr
     assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+def test_bench_rollouts_keeps_the_median_launch_and_checks_the_rewards():
+    from disttrain.bench.rollouts import compare, median_of, parse_runs, summarize
+
+    assert parse_runs("ddp, fsdp:per_layer") == [("ddp", "auto"), ("fsdp", "per_layer")]
+    with pytest.raises(DisttrainError, match="no accelerate_configs/nope.yaml"):
+        parse_runs("ddp,nope")
+    with pytest.raises(DisttrainError, match="rl.generation_weights is one of auto, whole, per_layer"):
+        parse_runs("fsdp:sometimes")
+
+    def launch(seconds, rewards=(0.1, 0.2)):
+        records = [{"step": s + 1, "reward": r, "rollout_s": seconds / len(rewards), "step_time_s": seconds,
+                    "rollout_tokens_per_s": 100.0} for s, r in enumerate(rewards)]
+        return summarize("x", records)
+
+    ddp = median_of([launch(3.0), launch(2.0), launch(4.0)])
+    fsdp = median_of([launch(3.3), launch(9.0), launch(3.0)])
+    other = median_of([launch(3.0, (0.1, 0.25))])
+    compare([ddp, fsdp, other])
+    assert ddp["rollout_s"] == pytest.approx(3.0) and ddp["rollout_s_launches"] == pytest.approx([3.0, 2.0, 4.0])
+    assert fsdp["rollout_ratio"] == pytest.approx(3.3 / 3.0) and fsdp["rewards_equal"] and fsdp["repeatable"]
+    assert not other["rewards_equal"]
+    assert ddp["sampling_share"] == pytest.approx(0.5)
+
+
+def test_make_cost_says_where_a_rollout_gathers_the_whole_model():
+    """Qwen2.5-7B's shape, 16 rows x 1536 tokens: 15.2 GB of bf16 weights + 0.9 GB of KV cache fit beside a
+    strategy needing 40 GB of an 80 GB card, not beside one needing 65 GB."""
+    from disttrain.metrics.flops import ModelShape
+    from disttrain.tools.cost import Workload, rollout_weights_lines
+
+    shape = ModelShape(params=7.6e9, matmul_params=7e9, layers=28, heads=28, head_dim=128, hidden=3584,
+                       vocab=152064, kv_heads=4)
+    w = Workload(params=7.6e9, shape=shape, tokens=1e8, seq_len=1536, micro_batch=16, gradient_checkpointing=False,
+                 rollout_rows=16, rollout_tokens=1536)
+    result = {"gpu": {"memory_gb": 80}, "rows": [{"strategy": "ddp", "need_gb": 70.0},
+                                                 {"strategy": "fsdp", "need_gb": 40.0},
+                                                 {"strategy": "zero3", "need_gb": 65.0}]}
+    (line,) = rollout_weights_lines(w, result)
+    kv = 2 * 28 * 4 * 128 * 16 * 1536 * 2 / 1e9
+    assert f"({7.6e9 * 2 / 1e9:.1f} GB in bf16)" in line and f"({kv:.1f} GB)" in line
+    assert line.endswith("fsdp whole, zero3 per layer (docs/rl.md).")  # ddp holds the model: no line for it
+    assert rollout_weights_lines(Workload(params=1e9, shape=shape, tokens=1, seq_len=1, micro_batch=1,
+                                          gradient_checkpointing=False), result) == []

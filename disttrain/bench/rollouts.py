@@ -2,12 +2,13 @@
 
     python -m disttrain.bench.rollouts --recipe recipes/tiny/grpo.yaml --runs ddp,fsdp,zero3 --steps 40
 
-Each run is a real `accelerate launch` of train.py logging every step; a run is a strategy, or
-strategy:generation_weights (fsdp:per_layer: each layer gathered for every generated token, the path a model too
-large to gather takes). Per run: the summed rollout seconds (the slowest rank's, per step), that sum over the
-first run's (the ratio the rollout work is judged by: one machine, one sitting), the sampling share of the step
-time, rollout tokens/s, peak memory; and whether every logged step's rewards equal the first run's (the same
-completions: sampling depends on each completion's seed alone). Writes <out>/results.json and results.md.
+Each run is a real `accelerate launch` of train.py logging every step, --repeats times, interleaved with the
+other runs (the launch of median rollout time is kept); a run is a strategy, or strategy:generation_weights
+(fsdp:per_layer: each layer gathered for every generated token, the path of a model too large to gather). Per
+run: the summed rollout seconds (the slowest rank's, per step), that sum over the first run's (the ratio the
+rollout work is judged by: one machine, one sitting), the sampling share of the step time, rollout tokens/s, peak
+memory; and whether every logged step's rewards equal the first run's in every launch (the same completions:
+sampling depends on each completion's seed alone). Writes <out>/results.json and results.md.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def summarize(name: str, records: list[dict]) -> dict:
             "rewards": {r["step"]: r["reward"] for r in rolled}}
 
 
+def median_of(launches: list[dict]) -> dict:
+    """A run's launches as one row: the launch of median rollout time, every launch's rollout seconds beside it,
+    and whether all launches logged the same rewards (sampling depends on the seeds alone)."""
+    ordered = sorted(launches, key=lambda r: r["rollout_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["rollout_s_launches"] = [r["rollout_s"] for r in launches]
+    row["repeatable"] = all(r["rewards"] == launches[0]["rewards"] for r in launches)
+    return row
+
+
 def compare(rows: list[dict]) -> None:
     """Each row's rollout time over the first row's, and whether its rewards equal the first's at every step."""
     base = rows[0]
@@ -68,12 +79,13 @@ def compare(rows: list[dict]) -> None:
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"# Rollouts: {meta['recipe']}", "",
              f"{meta['nproc']} processes, {meta['steps']} steps, {meta['device']}, torch {meta['torch']}", "",
-             f"| run | rollout s (sum) | x {rows[0]['run']} | sampling share | rollout tokens/s | peak mem (GB) | "
-             f"rewards = {rows[0]['run']} |", "|---|---|---|---|---|---|---|"]
+             f"| run | rollout s (median) | launches | x {rows[0]['run']} | sampling share | rollout tokens/s | "
+             f"peak mem (GB) | rewards = {rows[0]['run']}, every launch |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['rollout_s']:.2f} | {r['rollout_ratio']:.2f} | {r['sampling_share']:.0%} | "
-                     f"{r['rollout_tokens_per_s']:,.0f} | {r['peak_mem_gb']:.2f} | "
-                     f"{'yes' if r['rewards_equal'] else 'NO'} |")
+        launches = " / ".join(f"{v:.2f}" for v in r["rollout_s_launches"])
+        lines.append(f"| {r['run']} | {r['rollout_s']:.2f} | {launches} | {r['rollout_ratio']:.2f} | "
+                     f"{r['sampling_share']:.0%} | {r['rollout_tokens_per_s']:,.0f} | {r['peak_mem_gb']:.2f} | "
+                     f"{'yes' if r['rewards_equal'] and r['repeatable'] else 'NO'} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -82,6 +94,8 @@ def main(argv=None) -> None:
     parser.add_argument("--recipe", default="recipes/tiny/grpo.yaml")
     parser.add_argument("--runs", default="ddp,fsdp,zero3", help="strategy[:generation_weights], comma-separated")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3, help="launches of each run, interleaved; the median "
+                        "rollout time is kept (a 2-core machine's noise is ~30%% between two launches)")
     parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch (then it is killed)")
     parser.add_argument("--out", default="bench/rollouts")
@@ -89,13 +103,19 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         raise DisttrainError(f"bench-rollouts: --steps ({args.steps}) must be at least 1")
-    out, rows = Path(args.out), []
-    for strategy, weights in parse_runs(args.runs):
-        name = strategy if weights == "auto" else f"{strategy}:{weights}"
-        print(f"bench-rollouts: {name} ...", flush=True)
-        records = run_strategy(args.recipe, strategy, args.nproc, args.steps, out / "runs" / name.replace(":", "-"),
-                               [*args.overrides, f"rl.generation_weights={weights}"], timeout_s=args.timeout)
-        rows.append(summarize(name, records))
+    if args.repeats < 1:
+        raise DisttrainError(f"bench-rollouts: --repeats ({args.repeats}) must be at least 1")
+    out, runs = Path(args.out), parse_runs(args.runs)
+    summaries: dict[str, list[dict]] = {}
+    for repeat in range(args.repeats):  # interleaved: a slow minute of the machine hits every run alike
+        for strategy, weights in runs:
+            name = strategy if weights == "auto" else f"{strategy}:{weights}"
+            print(f"bench-rollouts: {name} ({repeat + 1}/{args.repeats}) ...", flush=True)
+            folder = out / "runs" / f"{name.replace(':', '-')}-{repeat + 1}"
+            records = run_strategy(args.recipe, strategy, args.nproc, args.steps, folder,
+                                   [*args.overrides, f"rl.generation_weights={weights}"], timeout_s=args.timeout)
+            summaries.setdefault(name, []).append(summarize(name, records))
+    rows = [median_of(launches) for launches in summaries.values()]
     compare(rows)
     import torch
 

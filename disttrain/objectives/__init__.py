@@ -10,7 +10,11 @@ preparation before the first update, behind one interface (base.py):
     fused_head.py    training.loss_impl: trl -- TRL's fused LM head as the engine instead (for comparison)
     preference.py    the pair losses, their chunked gradient, the reference (precomputed / live / adapters off)
     grpo.py          online RL: the objective, its step source (Rollouts: sample, score, train) and loss
-    rollout.py       completions sampled from the current policy (seeded per prompt), laid out as training rows
+    rollout.py       completions sampled from the current policy (one batched generate per rank), laid out as
+                     training rows
+    sampling.py      each completion's own seed: Gumbel-max over counter-based noise, the recipe's warpers only
+    vllm_engine.py   rl.engine: vllm -- a vLLM server through TRL's client, the weight push, the IS correction
+    rl_metrics.py    what online RL logs: rewards, lengths, KL, entropy, clip shares, the functions' log_metric
     rewards.py       reward functions (module:function, as TRL calls them), their checks, the advantages
     policy_loss.py   the GRPO-family losses on per-token log-probs (grpo, dr_grpo, dapo, bnpo, cispo; GSPO)
     reward_model.py  reward-model training: a score head, Bradley-Terry on preference pairs

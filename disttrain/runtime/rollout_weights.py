@@ -76,6 +76,7 @@ class RolloutWeights:
         self.accelerator, self.rl = accelerator, rl
         self.sharding = _sharding(accelerator)
         self.said: str | None = None
+        self.decided: tuple[tuple[int, int], bool] | None = None  # (the largest decode shape decided on, whole?)
 
     @property
     def collective(self) -> bool:
@@ -99,6 +100,15 @@ class RolloutWeights:
                 yield module, False
 
     def _whole(self, module, decode_shape: tuple[int, int]) -> bool:
+        """The rule, decided again only for a rollout larger than any decided on (its KV cache grows): the model's
+        size is fixed, and the memory free when a rollout starts is the training step's steady state."""
+        if self.decided is not None and all(n <= d for n, d in zip(decode_shape, self.decided[0])):
+            return self.decided[1]
+        whole = self._decide(module, decode_shape)
+        self.decided = (decode_shape, whole)
+        return whole
+
+    def _decide(self, module, decode_shape: tuple[int, int]) -> bool:
         choice = self.rl.generation_weights
         compute = self._compute_dtype()
         weights = _whole_bytes(module, self.sharding, compute)
