@@ -21,7 +21,7 @@ pytestmark = pytest.mark.launch
 
 RUN = ["doctor_nccl", "full_bf16_single", "lora_ddp", "packing_sdpa"]
 FORCED_FAIL = "full_bf16_fsdp"  # given 3 s: its first launch is killed
-GPU_ONLY = ["qlora_fsdp", "adamw_8bit", "packing_flash_attention_2", "fsdp_sync_memory", "mfu", "grpo_gather_zero3"]
+GPU_ONLY = ["qlora_fsdp", "adamw_8bit", "packing_flash_attention_2", "fsdp_sync_memory", "mfu"]
 
 
 def test_acceptance_dry_run_records_every_item(tmp_path):

@@ -154,8 +154,9 @@ def _fsdp2_whole(module):
         saved.append((state, state._auto_reshard_after_forward,
                       [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
         unit.set_reshard_after_forward(False, recurse=False)
-    for unit in units:
-        unit.unshard()
+    for handle in [unit.unshard(async_op=True) for unit in units]:  # the all-gathers in flight together
+        if handle is not None:
+            handle.wait()
     try:
         yield
     finally:
@@ -169,34 +170,38 @@ def _fsdp2_whole(module):
 
 @contextlib.contextmanager
 def _zero3_whole(engine):
-    """ZeRO-3: every parameter gathered (deepspeed.zero.GatheredParameters) and its per-module fetch/release hooks
-    taken off for the rollout, then put back (as TRL's unwrap_model_for_generation does). DeepSpeed's
-    memory-efficient linear, which replaces torch's F.linear for the whole run, saves activations for a backward
-    that sampling never runs and costs an autograd function per call (1.5x the tiny model's decode time here):
-    torch's own is put back meanwhile."""
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+    """ZeRO-3: every partitioned parameter gathered in one flat all-gather (DeepSpeed's all_gather_coalesced, the
+    call its own prefetch makes for a module; GatheredParameters would issue one per parameter) and re-partitioned
+    after; the per-module fetch/release hooks and the engine's forward hooks taken off meanwhile and put back (as
+    TRL's unwrap_model_for_generation does). DeepSpeed's memory-efficient linear, which replaces torch's F.linear
+    for the whole run, saves activations for a backward that sampling never runs and costs an autograd function
+    per call (1.5x the tiny model's decode time here): torch's own is put back meanwhile."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses, ZeroParamStatus
 
     offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
     linear = torch.nn.functional.linear
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", linear)
-        if offload is not None:
-            for param in offload.module.parameters():
-                param.ds_active_sub_modules.clear()
-            for hook in offload.forward_hooks + offload.backward_hooks:
-                hook.remove()
-            offload.forward_hooks, offload.backward_hooks = [], []
-        engine_hooks = [getattr(engine, name, None) for name in ENGINE_HOOKS]
-        for hook in engine_hooks:  # the engine's own, which walk every module at every forward
+    params = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if params:
+        params[0].all_gather_coalesced(params).wait()
+    torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", linear)
+    if offload is not None:
+        for param in offload.module.parameters():
+            param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+    engine_hooks = [getattr(engine, name, None) for name in ENGINE_HOOKS]
+    for hook in engine_hooks:  # the engine's own, which walk every module at every forward
+        if hook is not None:
+            hook.remove()
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear
+        for name, hook in zip(ENGINE_HOOKS, engine_hooks):
             if hook is not None:
-                hook.remove()
-        try:
-            yield
-        finally:
-            torch.nn.functional.linear = linear
-            for name, hook in zip(ENGINE_HOOKS, engine_hooks):
-                if hook is not None:
-                    setattr(engine, name, getattr(engine, f"_create_{name}")())
-            if offload is not None:  # re-registering the root invalidates the prefetch trace of the training steps
-                offload._register_deepspeed_module(offload.module)
+                setattr(engine, name, getattr(engine, f"_create_{name}")())
+        if offload is not None:  # re-registering the root invalidates the prefetch trace of the training steps
+            offload._register_deepspeed_module(offload.module)
+        if params:
+            params[0].partition(param_list=params, has_been_updated=False)
