@@ -64,6 +64,22 @@ def test_a_steps_completions_are_each_what_its_seed_samples_alone(model, tokeniz
     assert _sample(model, tokenizer, cfg, rows, [s + 1 for s in seeds]) != batched
 
 
+def test_a_repetition_penalty_does_not_reach_the_padding():
+    """The pad token as EOS (Llama 3's usual setting) and a penalty: a left-padded row's scores after the
+    recipe's processors equal the same row's unpadded (EOS is not penalised for the padding other rows' lengths
+    give it), and the penalty still falls on the row's own tokens."""
+    cfg = RLSection(repetition_penalty=3.0)
+    eos = 2
+    row = torch.tensor([[5, 7, 9]])
+    padded = torch.tensor([[eos, eos, 5, 7, 9]])
+    scores = torch.linspace(-1.0, 2.0, 12).unsqueeze(0)
+    alone = sampling.processors(cfg, [11], 3, "cpu", [0])(row, scores.clone())
+    beside = sampling.processors(cfg, [11], 5, "cpu", [2])(padded, scores.clone())
+    torch.testing.assert_close(beside, alone)
+    assert alone[0, eos] == scores[0, eos] + sampling.gumbel_noise(torch.tensor([11]), 0, 12)[0, eos]
+    assert not torch.allclose(alone, sampling.processors(RLSection(), [11], 3, "cpu", [0])(row, scores.clone()))
+
+
 def test_completion_seeds_never_collide():
     seeds = {sampling.completion_seed(42, b, r, g) for b in range(3) for r in range(0, 20_000, 7) for g in range(8)}
     assert len(seeds) == 3 * len(range(0, 20_000, 7)) * 8

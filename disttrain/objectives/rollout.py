@@ -61,7 +61,9 @@ def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced) -> list[t
     with sampling.bare_generation_config(module, eos, pad_id, rl.max_completion_length,
                                          static_cache=rl.engine == "static") as config:
         out = module.generate(input_ids=ids, attention_mask=attention, generation_config=config,
-                              logits_processor=sampling.processors(rl, seeds, width, device), synced_gpus=synced)
+                              logits_processor=sampling.processors(rl, seeds, width, device,
+                                                                   [width - len(p) for p in prompts]),
+                              synced_gpus=synced)
     completions = []
     for row in out[:, width:].tolist():
         end = next((i for i, token in enumerate(row) if token in eos), None)

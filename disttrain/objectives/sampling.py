@@ -73,9 +73,25 @@ class SeededGumbel:
         return scores.float() + noise
 
 
-def processors(rl, seeds: list[int], prompt_length: int, device):
+class WithoutPadding:
+    """A processor that reads the tokens so far (the repetition penalty), shown each row without its left padding:
+    the padded positions repeat the row's first real token, so the pad token (often EOS) is not penalised in the
+    rows that happen to be padded, and a row's draw does not depend on the rows beside it."""
+
+    def __init__(self, processor, pads: list[int]):
+        self.processor, self.pads = processor, pads
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if any(self.pads):
+            input_ids = input_ids.clone()
+            for row, pad in enumerate(self.pads):
+                input_ids[row, :pad] = input_ids[row, pad]
+        return self.processor(input_ids, scores)
+
+
+def processors(rl, seeds: list[int], prompt_length: int, device, pads: list[int] | None = None):
     """transformers' warpers for the recipe's sampling settings, in the order its sampling applies them, then the
-    rows' noise."""
+    rows' noise. `pads`: each row's left padding."""
     from transformers import LogitsProcessorList
     from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper,
@@ -83,7 +99,7 @@ def processors(rl, seeds: list[int], prompt_length: int, device):
 
     steps = []
     if rl.repetition_penalty != 1.0:
-        steps.append(RepetitionPenaltyLogitsProcessor(rl.repetition_penalty))
+        steps.append(WithoutPadding(RepetitionPenaltyLogitsProcessor(rl.repetition_penalty), pads or [0] * len(seeds)))
     if rl.temperature != 1.0:
         steps.append(TemperatureLogitsWarper(rl.temperature))
     if rl.top_k:
