@@ -196,7 +196,11 @@ class Rollouts:
             module, synced = stack.enter_context(self.weights.model(run.model, self._decode_shape()))
             stack.enter_context(accelerator.autocast())
             eos = rollout.eos_ids(tokenizer, module)
-            flat = rollout.sample(module, rl, prompts, seeds, eos, tokenizer.pad_token_id, accelerator.device, synced)
+            calls = rollout.generate_calls(rl, len(prompts))
+            if synced:  # a resampling round redraws more groups on some ranks: the ranks agree on the calls
+                calls = int(accelerator.reduce(torch.tensor([float(calls)], device=accelerator.device), "max"))
+            flat = rollout.sample(module, rl, prompts, seeds, eos, tokenizer.pad_token_id, accelerator.device, synced,
+                                  calls)
         return {(m, k): flat[i * group:(i + 1) * group] for i, (m, k, _) in enumerate(groups)}
 
     def _sample_on_server(self, run, prompts: list[list[int]], seeds: list[int], groups: list, step: int) -> dict:

@@ -37,16 +37,24 @@ def eos_ids(tokenizer, module) -> list[int]:
     return sorted(ids)
 
 
+def generate_calls(rl, rows: int) -> int:
+    """The generate() calls `rows` completions take (rl.rows_per_generate rows a call at most)."""
+    return -(-rows // (rl.rows_per_generate or rows))
+
+
 @torch.no_grad()
 def sample(module, rl, prompts: list[list[int]], seeds: list[int], eos: list[int], pad_id: int, device,
-           synced: bool) -> list[tuple[list[int], bool]]:
+           synced: bool, calls: int = 1) -> list[tuple[list[int], bool]]:
     """One completion per (prompt, seed) -- (ids, truncated) -- sampled by `module` (the bare model, in eval
-    mode) in ceil(rows / rl.rows_per_generate) generate() calls; every rank makes as many calls when `synced`."""
+    mode) in generate_calls() calls. When `synced`, every rank must make as many: `calls` (agreed by the caller)
+    pads this rank's with throwaway calls of one row."""
     step = rl.rows_per_generate or len(prompts)
     completions = []
     for start in range(0, len(prompts), step):
         completions += _generate(module, rl, prompts[start:start + step], seeds[start:start + step], eos, pad_id,
                                  device, synced)
+    for _ in range(calls - generate_calls(rl, len(prompts))):
+        _generate(module, rl, prompts[:1], seeds[:1], eos, pad_id, device, synced)
     return completions
 
 

@@ -192,9 +192,13 @@ RL_VARIANT = {
     "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
     "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0"),  # KL to the adapters-off reference
     "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
-    # the rollouts' per-layer gathers (a model too large to gather whole), with a sampling filter each
+    # the rollouts' per-layer gathers (a model too large to gather whole), with a sampling filter each; under
+    # FSDP2 also DAPO's resampling in several generate calls (ranks redrawing different numbers of groups agree
+    # on the calls: generate() is synced there)
     "fsdp_offload": ("rl.loss=cispo", "rl.epsilon_high=2.0", "rl.entropy_coef=0.05", "rl.generation_weights=per_layer",
-                     "rl.top_k=20"),
+                     "rl.top_k=20", "rl.dynamic_sampling=2", "rl.rows_per_generate=3",
+                     "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
+                     "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
     # DAPO's resampling, on a coarse reward whose groups often score alike (answer_words logged, weighed 0)
     "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true", "rl.dynamic_sampling=2",
              "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
