@@ -107,7 +107,7 @@ def test_the_gpu_acceptance_items_in_the_docs_are_the_scripts_items(tmp_path):
     assert len(rows) > 25 and all(line.split(" | ")[1].strip() for line in rows)  # every item says what it checks
 
 
-# what the README's "suggested strategy" column calls each config
+# what the shipped recipes' "suggested strategy" column (docs/recipes.md) calls each config
 SHOWN_AS = {"ddp": "DDP", "fsdp": "FSDP2", "zero1": "ZeRO-1", "zero3": "ZeRO-3", "hsdp": "HSDP",
             "zero3_ulysses": "Ulysses", "fsdp_cp": "context parallelism",
             "fsdp_ep": "expert parallelism"}
@@ -118,7 +118,8 @@ MESHES = ("hsdp", "zero3_ulysses", "fsdp_cp", "tp", "fsdp_tp", "fsdp_ep")
 def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
     """Each shipped recipe launches (the first `make train-*` of its header) with a strategy that `make cost`
     finds fitting with room on the hardware of that line, at most 10% dearer than the planner's pick (mesh
-    strategies: fitting; the planner does not price what they buy); the README's table suggests that strategy;
+    strategies: fitting; the planner does not price what they buy); the shipped-recipes table (docs/recipes.md)
+    suggests that strategy;
     SLURM's default strategy is the default recipe's."""
     import re
     import shlex
@@ -126,8 +127,8 @@ def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
     from conftest import REPO
     from disttrain.tools.cost import main
 
-    readme = (REPO / "README.md").read_text()
-    suggested = dict(re.findall(r"^\| `(recipes/[^`]+)` \| [^|]+ \| ([^|]+) \|$", readme, re.M))
+    shipped = (REPO / "docs/recipes.md").read_text()  # its "Shipped recipes" table (the README links to it)
+    suggested = dict(re.findall(r"^\| `(recipes/[^`]+)` \| [^|]+ \| ([^|]+) \|$", shipped, re.M))
     checked = []
     for path in sorted((REPO / "recipes").rglob("*.yaml")):
         header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
@@ -149,7 +150,7 @@ def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
             pick = rows[result["recommended"]]
             assert not rows[strategy]["tight"] and rows[strategy]["cost"] <= 1.1 * pick["cost"], \
                 f"{name}: launches {strategy}, `make cost` recommends {pick['strategy']}"
-        assert SHOWN_AS[strategy] in suggested[name], f"README suggests {suggested[name]!r} for {name}"
+        assert SHOWN_AS[strategy] in suggested[name], f"docs/recipes.md suggests {suggested[name]!r} for {name}"
         checked.append(name)
     assert len(checked) == 20
     sbatch = (REPO / "scripts/slurm/train.sbatch").read_text()
