@@ -219,7 +219,8 @@ def loaded_weights(out: Path, lora: bool) -> dict:
 
 COMPARED = ("loss", "eval_loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
             "clip_ratio/region_mean", "frac_reward_zero_std")
-COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/", "dynamic_sampling/")
+COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/", "dynamic_sampling/",
+                     "starts_with_a_word/")  # a reward function's log_metric, gathered over the ranks
 
 
 def compared(out: Path) -> dict[tuple[int, str], float]:
@@ -249,6 +250,8 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir,
         assert {s for s, k in ours if k == "reward"} and any(k == "rewards/answer_words/mean" for _, k in ours)
         resampled = sum(v for (_, k), v in ours.items() if k == "dynamic_sampling/resampled_groups")
         assert (resampled > 0) == ("rl.dynamic_sampling=2" in extra), resampled  # groups without signal redrawn
+        logged = any(k == "starts_with_a_word/share" for _, k in ours)  # TRL's log_metric, every rank's calls
+        assert logged == any("starts_with_a_word" in e for e in extra)
     if "scoring" in keys:
         assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
     if "time_checkpoints" in keys:  # the clock is due at every step: every rank saved every step, completely

@@ -34,6 +34,7 @@ from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, 
                                           SAMPLED_KEY)
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
 from disttrain.objectives.vllm_engine import engine_weights
+from disttrain.runtime.backends import bare_model
 from disttrain.runtime.rollout_weights import RolloutWeights
 
 
@@ -209,7 +210,7 @@ class Rollouts:
         if self.engine.pushed_at != step:
             with self.weights.model(run.model, (1, 1), whole=True) as (module, _):
                 self.engine.push(run.accelerator, module, step)
-        eos = rollout.eos_ids(self.objective.tokenizer, rollout_model_of(run))
+        eos = rollout.eos_ids(self.objective.tokenizer, bare_model(run.accelerator, run.model))
         done = {}
         for (m, k, _), sampled in zip(groups, self.engine.sample(prompts, seeds, eos) if prompts else []):
             done[m, k] = [(ids, truncated) for ids, truncated, _ in sampled]
@@ -269,13 +270,6 @@ class Rollouts:
             extras={"trainer_state": progress, "log_metric": window.log_metric,
                     "log_extra": lambda column, values: extra.setdefault(column, []).extend(values)})
         return table, weighted_sum(table, self.objective.rewards.weights), extra
-
-
-def rollout_model_of(run):
-    """The bare model (for its generation config's EOS ids)."""
-    from disttrain.runtime.backends import bare_model
-
-    return bare_model(run.accelerator, run.model)
 
 
 def _lap(clock: list, slot: int) -> None:

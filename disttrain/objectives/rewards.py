@@ -108,6 +108,9 @@ class Reward:
     function: Callable
     weight: float
 
+    def __post_init__(self):
+        self.extras = {k for k in TRL_EXTRAS if takes(self.function, k)}  # read once, not at every micro-batch
+
 
 def reward_names(rl) -> list[str]:
     """Each reward's name in the metrics (rewards/<name>/mean): the function's (or the reward model's directory's),
@@ -146,7 +149,7 @@ class Rewards:
         TRL_EXTRAS by name, given to the functions that take them."""
         table = torch.full((len(completions), len(self.items)), float("nan"))
         for j, reward in enumerate(self.items):
-            passed = {**columns, **{k: v for k, v in (extras or {}).items() if takes(reward.function, k)}}
+            passed = {**columns, **{k: v for k, v in (extras or {}).items() if k in reward.extras}}
             values = self._call(reward, prompts, completions, completion_ids, passed, where, j)
             for i, value in enumerate(values):
                 if value is None:

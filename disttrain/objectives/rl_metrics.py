@@ -12,7 +12,7 @@ from disttrain.objectives.rewards import nanstd
 SAMPLES_LOGGED = 2  # completions of a step's first prompt kept for the metrics line (with their rewards)
 
 ROLLOUT_SUMS = ("completions", "reward", "reward_sq", "length", "truncated", "groups", "groups_zero_std",
-                "groups_resampled")
+                "groups_resampled", "logged_metrics")
 
 
 class RolloutWindow:
@@ -32,14 +32,13 @@ class RolloutWindow:
         self.steps = 0
         self.samples: list[dict] = []
         self.logged: dict[str, list[float]] = {}  # the reward functions' log_metric values
-        self.extra: dict[str, list] = {}  # their log_extra columns, of the completions being logged
 
     def add_rollout(self, table: torch.Tensor, summed: torch.Tensor, completions: list[tuple], group: int) -> None:
         lengths = torch.tensor([len(ids) for ids, _ in completions], dtype=torch.float64)
         grouped = summed.double().view(-1, group)  # a group's std over its scored completions, as TRL's
         zero_std = torch.isclose(nanstd(grouped, dim=1), torch.zeros((), dtype=torch.float64)).sum()
         values = [len(completions), summed.double().nansum(), (summed.double() ** 2).nansum(), lengths.sum(),
-                  sum(t for _, t in completions), grouped.shape[0], zero_std, 0]
+                  sum(t for _, t in completions), grouped.shape[0], zero_std, 0, 0]
         scored = ~torch.isnan(table)
         per_function = torch.cat([table.double().nan_to_num(0.0).sum(0), (table.double().nan_to_num(0.0) ** 2).sum(0),
                                   scored.sum(0).double()])
@@ -54,6 +53,7 @@ class RolloutWindow:
     def log_metric(self, name: str, value: float) -> None:
         """TRL's log_metric for reward functions: averaged over the calls of every rank until the next line."""
         self.logged.setdefault(str(name), []).append(float(value))
+        self.sums[ROLLOUT_SUMS.index("logged_metrics")] += 1  # in the line's all-reduce: gather only if any
 
     def add_policy(self, stats: torch.Tensor, entropy_sum: torch.Tensor) -> None:
         """Every micro-batch: summed on its device (a copy to the host would wait for the step's kernels)."""
@@ -86,7 +86,8 @@ class RolloutWindow:
                   "clip_ratio/region_mean": float(policy[5]) / clipped_of}
         if float(sums[0]) > 0:  # completions sampled in this window (rl.num_iterations > 1: not at every step)
             record.update(self._rollout_metrics(sums, maxima))
-        record.update(self._logged_metrics(accelerator))
+        if float(sums[ROLLOUT_SUMS.index("logged_metrics")]) > 0:  # some function called log_metric on some rank
+            record.update(self._logged_metrics(accelerator))
         if accelerator.is_main_process and self.samples:
             record["completions"] = self.samples
         self.reset()

@@ -31,7 +31,10 @@ def letters(completions, **kwargs) -> list[float]:
     return [sum(ch.islower() or ch == " " for ch in _text(c)) / max(len(_text(c)), 1) for c in completions]
 
 
-def starts_with_a_word(completions, **kwargs) -> list[float]:
+def starts_with_a_word(completions, log_metric=None, **kwargs) -> list[float]:
     """1 when the completion starts with a lowercase letter, else 0: a coarse reward whose groups often score all
-    alike (no signal), what rl.dynamic_sampling redraws."""
-    return [float(_text(c)[:1].islower()) for c in completions]
+    alike (no signal), what rl.dynamic_sampling redraws. Logs its share through TRL's log_metric when given."""
+    rewards = [float(_text(c)[:1].islower()) for c in completions]
+    if log_metric is not None:
+        log_metric("starts_with_a_word/share", sum(rewards) / len(rewards))
+    return rewards
