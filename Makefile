@@ -58,6 +58,16 @@ K8S_KIND    ?= job
 BUCKET      ?=
 ACCELERATOR ?= H100
 SPOT        ?= 0
+# make k8s: per-pod CPU and memory requests (default: from GPUS and the recipe's model), a Kueue queue (gang
+# admission), and space-separated NAME=value variables, key=value node selectors, key[=value]:Effect tolerations
+POD_CPUS    ?=
+POD_MEMORY  ?=
+QUEUE       ?=
+POD_ENV     ?=
+NODE_SELECTOR ?=
+TOLERATIONS ?=
+# make ray: stop every node (as a SIGTERM does: they checkpoint) after this many seconds; empty: no limit
+RAY_TIMEOUT ?=
 
 # One launcher per node (run the same make command on every node with its NODE_RANK), or, for DeepSpeed
 # configs with HOSTFILE=path, one command on the head node that starts the others through pdsh/ssh.
@@ -94,7 +104,7 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 # ... and the one a config takes from the environment (accelerate has no expert-parallel dimension)
 MESH_ENV = $(if $(filter fsdp_ep,$(1)),PARALLELISM_CONFIG_EP_SIZE=$(EP))
 # the mesh variables of STRATEGY, handed to every node's `make train-*` by the cluster entry (k8s, sky, ray)
-CLUSTER_VARS = $(if $(filter hsdp fsdp_tp fsdp_ep,$(STRATEGY)),HSDP_REPLICAS=$(HSDP_REPLICAS)) \
+CLUSTER_VARS = SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(if $(filter hsdp fsdp_tp fsdp_ep,$(STRATEGY)),HSDP_REPLICAS=$(HSDP_REPLICAS)) \
 	$(if $(filter fsdp_tp,$(STRATEGY)),TP=$(TP)) $(if $(filter zero3_ulysses,$(STRATEGY)),SP=$(SP)) \
 	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP))
 
@@ -115,6 +125,7 @@ help: ## list targets and variables
 	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
 	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
 	@echo "           EP=$(EP) (train-fsdp-ep: processes each MoE block's experts are split over, dividing GPUS x NODES / HSDP_REPLICAS; tokens travel to their experts)"
+	@echo "           POD_CPUS= POD_MEMORY= QUEUE= POD_ENV='NAME=value ...' NODE_SELECTOR='k=v ...' TOLERATIONS='k[=v]:Effect ...' (make k8s)  RAY_TIMEOUT= (make ray: s)"
 	@echo "           IMAGE= PVC= K8S_KIND=$(K8S_KIND) (make k8s)  BUCKET= ACCELERATOR=$(ACCELERATOR) SPOT=$(SPOT) (make sky)  OUT=file (k8s, sky: default stdout)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
 	@echo "           ARGS='training.max_steps=20 ...' (recipe overrides)"
@@ -186,7 +197,9 @@ train-fsdp-ep: tiny ## FSDP2 + expert parallelism (MoE): experts split over EP p
 k8s: setup ## Kubernetes manifests for RECIPE on NODES pods of GPUS GPUs (IMAGE=, PVC=, K8S_KIND=job|pytorchjob, OUT=file)
 	$(PY) -m disttrain.tools.k8s --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
 	--image "$(IMAGE)" --pvc "$(PVC)" --kind $(K8S_KIND) $(if $(OUT),--out $(OUT)) \
-	$(if $(filter-out 0,$(MAX_RESTARTS)),--max-restarts $(MAX_RESTARTS)) $(CLUSTER_VARS) $(ARGS)
+	$(if $(filter-out 0,$(MAX_RESTARTS)),--max-restarts $(MAX_RESTARTS)) --cpus "$(POD_CPUS)" --memory "$(POD_MEMORY)" \
+	--queue "$(QUEUE)" $(foreach e,$(POD_ENV),--env '$(e)') $(foreach e,$(NODE_SELECTOR),--node-selector '$(e)') \
+	$(foreach e,$(TOLERATIONS),--toleration '$(e)') $(CLUSTER_VARS) $(ARGS)
 
 sky: setup ## a SkyPilot task for RECIPE on NODES nodes of ACCELERATOR:GPUS (BUCKET=, SPOT=1, OUT=file)
 	$(PY) -m disttrain.tools.sky --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
@@ -195,7 +208,7 @@ sky: setup ## a SkyPilot task for RECIPE on NODES nodes of ACCELERATOR:GPUS (BUC
 
 ray: setup ## train RECIPE on NODES nodes of a Ray cluster (RAY_ADDRESS; GPUS per node), each running the cluster entry
 	$(PY) -m disttrain.tools.ray_launch --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \
-	$(CLUSTER_VARS) $(ARGS)
+	$(if $(RAY_TIMEOUT),--timeout-s $(RAY_TIMEOUT)) $(CLUSTER_VARS) $(ARGS)
 
 train-zero1: tiny ## DeepSpeed ZeRO-1
 	$(call LAUNCH,zero1) train.py --recipe $(RECIPE) $(ARGS)

@@ -18,16 +18,20 @@
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import yaml
 
 from conftest import REPO, free_port
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
+from disttrain.recipe.schema import load_recipe
 from disttrain.tools import cluster, k8s, sky
 from strategy_runs import matrix_recipe, small_data, strategy_run
 
@@ -73,7 +77,7 @@ def test_a_node_missing_what_its_engine_sets_is_one_line(env, said):
 def _k8s(**given):
     args = dict(recipe="recipes/llama-3.1-8b/full_sft_fsdp.yaml", strategy="fsdp", nodes=2, gpus=8, image="reg/d:1",
                 pvc="outputs", kind="job", name="", shm="64Gi", secret="disttrain-secrets", max_restarts=3,
-                port=29500)
+                port=29500, cpus="", memory="", env=[], node_selector=[], toleration=[], queue="")
     args.update(given)
     extra = args.pop("extra", [])
     return k8s.render(SimpleNamespace(**args), extra)
@@ -98,12 +102,76 @@ def test_the_indexed_job_and_its_service_validate_against_the_kubernetes_api(str
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["DISTTRAIN_MASTER_ADDR"] == f"{name}-0.{name}"  # pod 0's name under the headless service
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "disttrain-secrets", "key": "HF_TOKEN", "optional": True}}
+    assert env["HF_HOME"].startswith("/outputs/")  # the model downloaded once, on the claim, not per pod start
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    requests = container["resources"]["requests"]  # Burstable, not BestEffort (evicted first)
+    assert requests["nvidia.com/gpu"] == 8 and int(requests["cpu"]) >= 8 and requests["memory"].endswith("Gi")
     assert {v["name"]: v for v in pod["volumes"]}["outputs"]["persistentVolumeClaim"] == {"claimName": "outputs"}
     command = container["command"]
     assert command[:3] == [".venv/bin/python", "-m", "disttrain.tools.cluster"] and command[-1].startswith(
         "output.dir=/outputs/")
     assert [a for a in extra if a not in command] == []
+    # kubelet's SIGKILL comes after the launcher's own; a restarted pod outwaits the survivors' collective timeout
+    timeouts = dict(a.split("=", 1) for a in command if a.startswith(("SHUTDOWN_TIMEOUT=", "RDZV_TIMEOUT=")))
+    assert pod["terminationGracePeriodSeconds"] > int(timeouts["SHUTDOWN_TIMEOUT"]) == 600
+    assert int(timeouts["RDZV_TIMEOUT"]) > load_recipe(REPO / recipe, [a for a in extra if "=" in a and
+                                                                         not a[0].isupper()]).distributed.timeout_s
+
+
+def _job_survives(job: dict, incidents: list[dict[int, str | None]]) -> bool:
+    """The Job controller's accounting as Kubernetes documents it (batch/v1, "Pod failure policy" and "Backoff limit
+    per index"): each failed pod matches the first podFailurePolicy rule whose condition it has (Ignore: not
+    counted), else counts against its index; an index failing more than backoffLimitPerIndex times is failed, and
+    more than maxFailedIndexes failed indexes fail the Job. Without backoffLimitPerIndex, every failed pod counts
+    against backoffLimit. An incident maps each failed pod's index to its condition (None: it exited non-zero)."""
+    spec = job["spec"]
+    ignored = {c["type"] for rule in spec.get("podFailurePolicy", {}).get("rules", []) if rule["action"] == "Ignore"
+               for c in rule.get("onPodConditions", [])}
+    per_index, total = {}, 0
+    for incident in incidents:
+        for index, condition in incident.items():
+            if condition in ignored:
+                continue
+            per_index[index] = per_index.get(index, 0) + 1
+            total += 1
+    if "backoffLimitPerIndex" in spec:
+        failed = [i for i, n in per_index.items() if n > spec["backoffLimitPerIndex"]]
+        return len(failed) <= spec.get("maxFailedIndexes", len(per_index))
+    return total <= spec.get("backoffLimit", 6)
+
+
+def test_the_four_pod_job_survives_max_restarts_whole_job_failures_and_any_number_of_preemptions():
+    """MAX_RESTARTS=3 on 4 nodes: a lost rank fails every pod once (the others at their next collective), three
+    times over, and the Job goes on; a fourth time it fails. Preemptions and evictions (DisruptionTarget) are not
+    counted. A replacement pod starts only when the old one has exited (it may still be writing the checkpoint).
+    Control: the old manifest's backoffLimit, summed over pods, is spent by the first failure."""
+    _, job = _k8s(nodes=4, max_restarts=3)
+    whole_job_failure = {i: None for i in range(4)}
+    assert _job_survives(job, [whole_job_failure] * 3)
+    assert not _job_survives(job, [whole_job_failure] * 4)
+    assert _job_survives(job, [{i: "DisruptionTarget" for i in range(4)}] * 20 + [whole_job_failure] * 3)
+    spec = job["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
+    assert not _job_survives({"spec": {"backoffLimit": 3}}, [whole_job_failure])
+    (pytorchjob,) = _k8s(kind="pytorchjob", nodes=4, max_restarts=3)  # the operator counts restarts over all pods
+    assert _job_survives({"spec": pytorchjob["spec"]["runPolicy"]}, [whole_job_failure] * 3)
+
+
+def test_pod_placement_environment_and_queue_come_from_the_make_variables():
+    _, job = _k8s(env=["NCCL_SOCKET_IFNAME=eth0"], node_selector=["gpu=h100"], queue="team-a",
+                  toleration=["nvidia.com/gpu:NoSchedule", "dedicated=train:NoExecute"], cpus="48", memory="900Gi")
+    pod = job["spec"]["template"]["spec"]
+    import kubernetes_validate
+    kubernetes_validate.validate(job, "1.33.0", strict=True)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                  {"key": "dedicated", "operator": "Equal", "value": "train", "effect": "NoExecute"}]
+    container = pod["containers"][0]
+    assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in container["env"]
+    assert (container["resources"]["requests"]["cpu"], container["resources"]["requests"]["memory"]) == ("48", "900Gi")
+    with pytest.raises(DisttrainError, match="'gpu:NoSchedule:x': not in the form"):
+        _k8s(toleration=["gpu:NoSchedule:x"])
 
 
 # PyTorchJob kubeflow.org/v1: spec fields as its published CRD names them (training-operator,
@@ -156,7 +224,8 @@ def test_the_skypilot_task_holds_documented_fields_and_runs_the_entry_on_every_n
     assert task["resources"]["accelerators"] == "H100:8" and task["resources"]["use_spot"] is True
     assert task["num_nodes"] == 2 and task["workdir"] == "."
     (mount, spec), = task["file_mounts"].items()
-    assert mount == "/outputs" and set(spec) <= SKY_MOUNT and spec["mode"] == "MOUNT"
+    # MOUNT_CACHED: SkyPilot's mode for checkpoints (plain MOUNT takes no appends: metrics.jsonl, no renames)
+    assert mount == "/outputs" and set(spec) <= SKY_MOUNT and spec["mode"] == "MOUNT_CACHED"
     assert task["setup"].strip() == "make setup GPU=1"
     assert "disttrain.tools.cluster --engine skypilot --strategy fsdp" in task["run"]
     assert "training.max_steps=10" in task["run"] and "output.dir=/outputs/" in task["run"]
@@ -210,37 +279,121 @@ def _pod_env(engine: str, rank: int, port: str) -> dict:
             "MASTER_PORT": port, "PET_NNODES": "2", "PET_NODE_RANK": str(rank), "DISTTRAIN_GPUS": "1"}
 
 
-@pytest.mark.launch
-@pytest.mark.parametrize("engine", ["kubernetes", "pytorchjob"])
-def test_two_pods_train_like_the_two_node_run(engine, runs, tiny_model_dir, tmp_path):
-    """The entry as each pod of `make k8s`'s manifests runs it, with the variables a pod has there, on loopback, one
-    process each."""
-    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "pods")
+# the first save of a run sleeps this long (tests/slow_save): the signal arrives while a run is surely mid-way
+SLOW_SAVE = {"PYTHONPATH": str(REPO / "tests" / "slow_save"), "DISTTRAIN_TEST_SAVE_DELAY_S": "3"}
+
+
+def _start_pods(engine: str, recipe, logs: list, env: dict | None = None) -> list[subprocess.Popen]:
     port = str(free_port())
-    logs = [(tmp_path / f"pod{i}.log").open("w") for i in (0, 1)]
-    pods = [subprocess.Popen([sys.executable, "-m", "disttrain.tools.cluster", "--strategy", "ddp", "--recipe",
-                              str(recipe), "RDZV_TIMEOUT=120"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", **_pod_env(engine, i, port)})
+    return [subprocess.Popen([sys.executable, "-m", "disttrain.tools.cluster", "--strategy", "ddp", "--recipe",
+                              str(recipe), "RDZV_TIMEOUT=120"], cwd=REPO, stdout=log.open("w"),
+                             stderr=subprocess.STDOUT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", **_pod_env(engine, i, port), **(env or {})})
             for i, log in enumerate(logs)]
+
+
+def _when_a_save_is_under_way(logs: list, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not any(log.exists() and "checkpoint save delayed" in log.read_text()
+                                             for log in logs):
+        time.sleep(0.1)
+
+
+def _stopped_with_a_checkpoint(text: str, out) -> int:
+    """The step the workers stopped at, after checking its checkpoint is complete."""
+    stopped = [line for line in text.splitlines() if line.startswith("stopped at step")]
+    assert stopped, text[-3000:]
+    step = int(stopped[0].split()[3].split("/")[0])
+    assert (out / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file(), text[-3000:]
+    return step
+
+
+def _all_exited(processes: list[psutil.Process]) -> list[str]:
+    """The processes of a run still alive (a zombie has exited: only its exit status is left)."""
+    alive = []
+    for p in processes:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(p.cmdline()[:4]))
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.launch
+def test_sigterm_to_each_pods_entry_checkpoints_ends_every_process_and_the_pods_resume(runs, tiny_model_dir, tmp_path):
+    """Two "pods" of `make k8s`'s Job on loopback, each signalled as kubelet signals a container (SIGTERM to its main
+    process only, the entry) while the run is mid-way: both exit with 143 within 2 minutes, every process under
+    them (make, the launcher, the workers) has exited, the workers' checkpoint is complete; the same pods started
+    again resume from it and the run ends like the two-node run, step for step."""
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "pods")
+    logs = [tmp_path / f"pod{i}.log" for i in (0, 1)]
+    pods = _start_pods("kubernetes", recipe, logs, SLOW_SAVE)
+    try:
+        _when_a_save_is_under_way(logs)
+        under = [p for pod in pods for p in psutil.Process(pod.pid).children(recursive=True)]
+        assert len(under) >= 6, [p.cmdline()[:4] for p in under]  # make, the shell, the launcher, a worker, each
+        for pod in pods:
+            pod.send_signal(signal.SIGTERM)
+        for pod in pods:
+            pod.wait(timeout=120)
+    finally:
+        for pod in pods:
+            pod.kill()
+    texts = [log.read_text() for log in logs]
+    assert [pod.returncode for pod in pods] == [143, 143], texts[0][-3000:] + texts[1][-3000:]
+    assert _all_exited(under) == [] and "every process of the run has exited" in texts[1]
+    step = _stopped_with_a_checkpoint(texts[0], tmp_path / "pods")
+    again = [tmp_path / f"pod{i}-again.log" for i in (0, 1)]
+    pods = _start_pods("kubernetes", recipe, again)
     for pod in pods:
         pod.wait(timeout=300)
-    texts = [(tmp_path / f"pod{i}.log").read_text() for i in (0, 1)]
+    texts = [log.read_text() for log in again]
     assert [pod.returncode for pod in pods] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
-    assert f"cluster: {engine} node 1 of 2" in texts[1] and "processes=2" in texts[0]
+    assert f"step-{step:08d} at step {step}/" in texts[0] and "cluster: kubernetes node 1 of 2" in texts[1]
     _same_as_the_two_node_run(runs, tiny_model_dir, tmp_path / "pods")
 
 
 @pytest.mark.launch
-def test_a_local_ray_cluster_of_two_cpu_workers_trains_like_the_two_node_run(runs, tiny_model_dir, tmp_path):
-    """`make ray`'s launcher in a process of its own (Ray's driver state stays out of the test process, which
-    goes on to run other tests), on a local Ray cluster of 2 CPU workers."""
+def test_two_pytorchjob_pods_train_like_the_two_node_run(runs, tiny_model_dir, tmp_path):
+    """The entry as each pod of the PyTorchJob runs it, with the variables the training operator sets there (its
+    WORLD_SIZE / RANK / PET_* describe pods: the entry keeps them from torchrun's workers), on loopback."""
+    recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "pods")
+    logs = [tmp_path / f"pod{i}.log" for i in (0, 1)]
+    pods = _start_pods("pytorchjob", recipe, logs)
+    for pod in pods:
+        pod.wait(timeout=300)
+    texts = [log.read_text() for log in logs]
+    assert [pod.returncode for pod in pods] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
+    assert "cluster: pytorchjob node 1 of 2" in texts[1] and "processes=2" in texts[0]
+    _same_as_the_two_node_run(runs, tiny_model_dir, tmp_path / "pods")
+
+
+@pytest.mark.launch
+def test_a_local_ray_cluster_signalled_checkpoints_and_runs_again_like_the_two_node_run(runs, tiny_model_dir,
+                                                                                         tmp_path):
+    """`make ray`'s launcher (in a process of its own: Ray's driver state stays out of the test process) on a local
+    Ray cluster of 2 CPU workers, SIGTERM to the launcher mid-run: every node's workers checkpoint and exit, the
+    launcher exits with 143; started again it resumes and ends like the two-node run."""
     recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "ray")
-    proc = subprocess.run([sys.executable, "-m", "disttrain.tools.ray_launch", "--cpu", "--nodes", "2", "--gpus", "1",
-                           "--strategy", "ddp", "--recipe", str(recipe), "--log-dir", str(tmp_path / "logs"),
-                           "RDZV_TIMEOUT=120"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    logs = [(tmp_path / "logs" / f"ray-node-{i}.log").read_text() for i in (0, 1)]
-    assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-3000:] + logs[1][-3000:]
-    assert "ray: 2 nodes finished" in proc.stdout
-    assert "cluster: disttrain node 1 of 2" in logs[1] and "processes=2" in logs[0]
+    command = [sys.executable, "-m", "disttrain.tools.ray_launch", "--cpu", "--nodes", "2", "--gpus", "1",
+               "--strategy", "ddp", "--recipe", str(recipe), "--log-dir", str(tmp_path / "logs"), "RDZV_TIMEOUT=120"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / "logs" / f"ray-node-{i}.log" for i in (0, 1)]
+    with (tmp_path / "first.log").open("w") as out:
+        first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**env, **SLOW_SAVE})
+    try:
+        _when_a_save_is_under_way(logs)
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    finally:
+        first.kill()
+    texts = [log.read_text() for log in logs]
+    assert first.returncode == 143, (tmp_path / "first.log").read_text()[-2000:] + texts[0][-3000:]
+    step = _stopped_with_a_checkpoint(texts[0], tmp_path / "ray")
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    texts = [log.read_text() for log in logs]
+    assert proc.returncode == 0, proc.stderr[-2000:] + texts[0][-3000:] + texts[1][-3000:]
+    assert "ray: 2 nodes finished" in proc.stdout and f"step-{step:08d} at step {step}/" in texts[0]
+    assert "cluster: disttrain node 1 of 2" in texts[1] and "processes=2" in texts[0]
     _same_as_the_two_node_run(runs, tiny_model_dir, tmp_path / "ray")

@@ -19,6 +19,10 @@ DISTTRAIN_MASTER_PORT (else MASTER_PORT, else 29500). Arguments after the recipe
 variables, e.g. TP=2 EP=8 MAX_RESTARTS=3) or recipe overrides (key.path=value). A variable an engine should have
 set and did not is one line naming it. `--dry-run` prints the command instead of running it.
 
+A preemption reaches the whole run: SIGTERM / SIGINT to this entry (kubelet signals the container's main process)
+are forwarded to the launch, and the entry exits only when every process under it has (disttrain/tools/supervise.py):
+after the workers' checkpoint, with 143, which every engine reads as "run it again" (the next start resumes).
+
 The manifests and task files that run this entry: `make k8s` (disttrain/tools/k8s.py), `make sky`
 (disttrain/tools/sky.py), `make ray` (disttrain/tools/ray_launch.py), SLURM's scripts/slurm/train.sbatch.
 """
@@ -34,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
+from disttrain.tools import supervise
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PORT = 29500
+DEFAULT_SHUTDOWN_TIMEOUT = 600  # the Makefile's SHUTDOWN_TIMEOUT: how long the launcher lets workers checkpoint
 # what an engine sets to describe the pod or task, not a worker: torchrun sets its own per worker, and PET_* would
 # become torchrun's defaults (the launch passes every one it needs explicitly)
 NODE_ONLY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -177,7 +183,19 @@ def main(argv=None) -> None:
         print(" ".join(cmd))
         return
     env = {k: v for k, v in os.environ.items() if k not in NODE_ONLY and not k.startswith("PET_")}
-    sys.exit(subprocess.run(cmd, cwd=REPO, env=env).returncode)
+    code = supervise.run(cmd, REPO, env, shutdown_timeout(extra))
+    if code > 128:
+        print(f"cluster: stopped by signal {code - 128}; every process of the run has exited. The same command "
+              "resumes from the newest complete checkpoint.", flush=True)
+    sys.exit(code)
+
+
+def shutdown_timeout(extra: list[str]) -> int:
+    """SHUTDOWN_TIMEOUT as the node's make gets it: how long the workers may checkpoint after a SIGTERM."""
+    given = [a.split("=", 1)[1] for a in extra if a.startswith("SHUTDOWN_TIMEOUT=")]
+    if given and not given[-1].isdigit():
+        raise DisttrainError(f"SHUTDOWN_TIMEOUT={given[-1]!r} is not a whole number of seconds")
+    return int(given[-1]) if given else DEFAULT_SHUTDOWN_TIMEOUT
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from disttrain.errors import DisttrainError
+from disttrain.tools.cluster import shutdown_timeout
 
 REPO = Path(__file__).resolve().parents[2]
 MOUNT = "/outputs"  # where the shared volume (a claim, a bucket) is mounted on every node
+RDZV_MARGIN_S = 300  # a restarted node waits at the rendezvous this much longer than a collective's timeout
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class ClusterLaunch:
     overrides: tuple[str, ...]  # key.path=value: the recipe's
     name: str  # the run's name on the cluster
     output_dir: str  # the recipe's output.dir on the shared volume
+    shutdown_s: int  # SHUTDOWN_TIMEOUT: after a SIGTERM, how long the workers may checkpoint
 
     def entry(self, python: str, engine: str, shared: bool) -> list[str]:
         """The command every node runs (disttrain/tools/cluster.py); `shared`: output.dir on the volume."""
@@ -66,12 +69,17 @@ def checked_launch(recipe_path: str, strategy: str, nodes: int, gpus: int, extra
         raise DisttrainError(problem)
     overrides = [a for a in extra if a not in make_vars]
     recipe = load_recipe(recipe_path, overrides)
+    shutdown_s = shutdown_timeout(make_vars)
+    given = {a.split("=", 1)[0] for a in make_vars}
+    make_vars += [f"{k}={v}" for k, v in (("SHUTDOWN_TIMEOUT", shutdown_s),
+                                         ("RDZV_TIMEOUT", recipe.distributed.timeout_s + RDZV_MARGIN_S))
+                  if k not in given]
     name = name or re.sub(r"[^a-z0-9-]+", "-", Path(recipe.output.dir.split("{")[0]).name.lower()).strip("-")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?", name):
         raise DisttrainError(f"NAME={name!r}: a run's name on a cluster is lower-case letters, digits and '-', at "
                              "most 52")
     return ClusterLaunch(recipe_path, strategy, nodes, gpus, tuple(make_vars), tuple(overrides), name,
-                         shared_output_dir(recipe.output.dir))
+                         shared_output_dir(recipe.output.dir), shutdown_s)
 
 
 def mesh_problem(strategy: str, nodes: int, gpus: int, make_vars: dict[str, str]) -> str | None:

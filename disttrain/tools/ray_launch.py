@@ -13,6 +13,10 @@ torchrun's restarts and preemption signals stay what every other engine gets; a 
 reproduce both. The repository (with its .venv) must be at the same path on every node (a shared filesystem or
 the cluster's image), and output.dir on storage every node sees. Each node's output goes to
 <--log-dir>/ray-node-<rank>.log (default logs/) and the launcher's exit status is the first non-zero node's.
+No wall-clock limit by default (`--timeout-s`, RAY_TIMEOUT in make: then every node is stopped as on a SIGTERM). A
+SIGTERM / SIGINT to this launcher (or `make ray`) reaches every node's entry, which forwards it to its launch
+(disttrain/tools/supervise.py): the workers checkpoint, every node exits, and the launcher exits with 143 (run it
+again to resume).
 
 `--cpu`: bundles of one CPU and `GPUS` processes each (a local test cluster: `ray.init` on this machine when no
 RAY_ADDRESS is set); tests/test_clusters.py trains two such "nodes" like the two-node loopback run.
@@ -21,9 +25,11 @@ RAY_ADDRESS is set); tests/test_clusters.py trains two such "nodes" like the two
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from disttrain.errors import DisttrainError, exit_on_user_error
@@ -32,7 +38,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class NodeRunner:
-    """One per node (a Ray actor): where it is, and the entry run there."""
+    """One per node (a Ray actor, two calls at a time: `stop` arrives while `run` waits): where it is, and the
+    entry run there."""
+
+    def __init__(self):
+        self._entry: subprocess.Popen | None = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -43,13 +53,20 @@ class NodeRunner:
 
     def run(self, cmd: list[str], env: dict[str, str], log: str) -> int:
         with open(log, "w") as out:
-            return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                  ).returncode
+            self._entry = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=out,
+                                           stderr=subprocess.STDOUT)
+            return self._entry.wait()
+
+    def stop(self, signum: int) -> None:
+        """The signal to the node's entry, which forwards it to its launch and waits for the checkpoint."""
+        if self._entry is not None and self._entry.poll() is None:
+            self._entry.send_signal(signum)
 
 
 def launch(strategy: str, recipe: str, nodes: int, gpus: int, extra: list[str], log_dir: Path,
-           cpu: bool = False, timeout_s: float = 600) -> list[int]:
-    """Every node's exit status, in node-rank order."""
+           cpu: bool = False, timeout_s: float | None = None) -> list[int]:
+    """Every node's exit status, in node-rank order; a SIGTERM / SIGINT meanwhile (or `timeout_s` passing) is
+    forwarded to every node, whose exit is then waited for."""
     try:
         import ray
         from ray.util.placement_group import placement_group
@@ -68,7 +85,7 @@ def launch(strategy: str, recipe: str, nodes: int, gpus: int, extra: list[str], 
                                  f"({'one machine' if cpu else 'STRICT_SPREAD: one bundle per node'}); "
                                  f"`ray status` says what it has")
         actor = ray.remote(NodeRunner)
-        runners = [actor.options(num_cpus=1, num_gpus=0 if cpu else gpus, scheduling_strategy=(
+        runners = [actor.options(max_concurrency=2, num_cpus=1, num_gpus=0 if cpu else gpus, scheduling_strategy=(
             PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))).remote() for i in range(nodes)]
         host, port = ray.get(runners[0].address.remote())
         entry = [sys.executable, "-m", "disttrain.tools.cluster", "--engine", "disttrain", "--strategy", strategy,
@@ -78,9 +95,35 @@ def launch(strategy: str, recipe: str, nodes: int, gpus: int, extra: list[str], 
                "DISTTRAIN_GPUS": str(gpus), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         runs = [r.run.remote(entry, {**env, "DISTTRAIN_NODE_RANK": str(i)}, str(log_dir / f"ray-node-{i}.log"))
                 for i, r in enumerate(runners)]
-        return ray.get(runs, timeout=timeout_s)
+        return _wait_forwarding(runners, runs, timeout_s)
     finally:
         ray.shutdown()
+
+
+def _wait_forwarding(runners, runs, timeout_s: float | None) -> list[int]:
+    """Every node's run waited for; a signal to this process (or the timeout passing) is sent on to every node's
+    entry once, and the runs are still waited for: they end when the workers have checkpointed. The handler only
+    records the signal: the loop, not the handler, talks to Ray."""
+    import ray
+
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    stopped = False
+    try:
+        while len(ray.wait(runs, num_returns=len(runs), timeout=1.0)[0]) < len(runs):
+            if not stopped and deadline is not None and time.monotonic() > deadline:
+                print(f"ray: --timeout-s {timeout_s:.0f} passed; stopping every node", flush=True)
+                received.append(signal.SIGTERM)
+            if received and not stopped:
+                ray.get([r.stop.remote(received[0]) for r in runners])
+                stopped = True
+        codes = ray.get(runs)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return [128 + received[0] if received and code == 0 else code for code in codes]
 
 
 def main(argv=None) -> None:
@@ -89,8 +132,11 @@ def main(argv=None) -> None:
     parser = launch_parser(__doc__, nodes=2, files=False)
     parser.add_argument("--cpu", action="store_true", help="CPU bundles (a local test cluster)")
     parser.add_argument("--log-dir", default="logs", help="where each node's output goes")
+    parser.add_argument("--timeout-s", type=float, default=None, help="stop every node (as on SIGTERM) after this "
+                        "long; default: no limit")
     args, extra = parser.parse_known_args(argv)
-    codes = launch(args.strategy, args.recipe, args.nodes, args.gpus, extra, Path(args.log_dir), args.cpu)
+    codes = launch(args.strategy, args.recipe, args.nodes, args.gpus, extra, Path(args.log_dir), args.cpu,
+                   args.timeout_s)
     failed = [i for i, code in enumerate(codes) if code]
     print(f"ray: {args.nodes} nodes finished" + (f"; node(s) {failed} failed: {args.log_dir}/ray-node-N.log"
                                                   if failed else ""))

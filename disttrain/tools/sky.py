@@ -5,9 +5,10 @@
 
 The task: `resources` (ACCELERATOR:GPUS, `use_spot` with SPOT=1, and for managed jobs `job_recovery`: a preempted
 or failed job is started again, MAX_RESTARTS times on errors, and resumes from its newest complete checkpoint),
-`num_nodes`, `workdir: .` (this repository, synced to every node), the bucket BUCKET mounted at /outputs with
-output.dir below it (NODES > 1 or spot instances need it: checkpoints must outlive a node), `setup` = the README's
-install (`make setup`), and `run` = the one entry every node runs (disttrain/tools/cluster.py), which reads
+`num_nodes`, `workdir: .` (this repository, synced to every node), the bucket BUCKET mounted at /outputs
+(MOUNT_CACHED: SkyPilot's mode for checkpoints; plain MOUNT refuses appends and renames) with output.dir below
+it (NODES > 1 or spot instances need it: checkpoints must outlive a node), `setup` = the README's install (`make
+setup`), and `run` = the one entry every node runs (disttrain/tools/cluster.py), which reads
 SkyPilot's node rank, node IPs and GPUs per node. Tokens: `sky jobs launch --secret HF_TOKEN --secret
 WANDB_API_KEY task.yaml` passes them from your shell, never written in the file. Bad inputs stop at render time
 in one line, nothing written (as `make k8s`: no BUCKET for several or spot nodes, a mesh that does not fit, an
@@ -40,7 +41,9 @@ def render(args, extra: list[str]) -> dict:
     task = {"name": launch.name, "resources": resources, "num_nodes": args.nodes, "workdir": ".",
             "envs": {"DISTTRAIN_MASTER_PORT": str(args.port)}}
     if args.bucket:
-        task["file_mounts"] = {MOUNT: {"name": args.bucket, "mode": "MOUNT"}}
+        # MOUNT_CACHED: writes go to a local cache and are uploaded behind them. Plain MOUNT supports no appends or
+        # random writes (SkyPilot's storage docs), and a run appends to metrics.jsonl and renames checkpoint dirs
+        task["file_mounts"] = {MOUNT: {"name": args.bucket, "mode": "MOUNT_CACHED"}}
     task["setup"] = "make setup GPU=1\n"
     entry = launch.entry(".venv/bin/python", "skypilot", shared=bool(args.bucket))
     task["run"] = " ".join(_quoted(a) for a in entry) + "\n"
