@@ -219,6 +219,44 @@ def test_the_collator_adds_pixels_token_types_and_image_counts(tiny_vlm_dirs, im
     assert torch.equal(batch["token_type_ids"], (batch["input_ids"] == soft).long())  # Gemma 3's image blocks
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_a_micro_batch_without_images_gets_a_blank_images_row_that_changes_no_loss(family, tiny_vlm_dirs, images):
+    """Text-only rows (plain-string content, a system prompt) get one more row: the template's user turn with a
+    blank image, nothing learned from it. The image path runs (the projector gets a gradient: every rank's
+    collectives stay in step), the loss equals the rows' own and the projector's gradient is exactly zero."""
+    from transformers import AutoModelForImageTextToText
+
+    tokenizer = tokenizer_of(tiny_vlm_dirs[family])
+    section = DataSection(path="x.jsonl", format="chat", max_seq_len=512)
+    records = [{"messages": [{"role": "user", "content": "What colour is snow?"},
+                             {"role": "assistant", "content": "white"}]},
+               {"messages": [{"role": "system", "content": "Answer with one word."},
+                             {"role": "user", "content": [{"type": "text", "text": "What colour is grass?"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "green"}]}]}]
+    rows = [{k: r[k] for k in ("input_ids", "labels", "image_refs")}
+            for r in (tokenize_record(record, tokenizer, section) for record in records)]
+    vision = vision_of(tokenizer)
+    batch = VisionCollator(Collator(tokenizer.pad_token_id), vision)(rows)
+    text = Collator(tokenizer.pad_token_id)([{k: r[k] for k in ("input_ids", "labels")} for r in rows])
+    assert batch["num_images"].tolist() == [0, 0, 1] and batch["pixel_values"].shape[0] >= 1
+    assert (batch["labels"][2] == IGNORE_INDEX).all()
+    assert any(int(t) in vision.image_ids for t in batch["input_ids"][2])  # the processor's image tokens
+    width = text["input_ids"].shape[1]
+    assert torch.equal(batch["labels"][:2, :width], text["labels"])
+    assert torch.equal(batch["input_ids"][:2, :width], text["input_ids"])
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dirs[family], dtype=torch.float32)
+    inputs = {k: v for k, v in batch.items() if k != "num_images"}
+    loss = model(**inputs).loss
+    loss.backward()
+    projector = [p for n, p in model.named_parameters() if "projector" in n]
+    assert projector and all(p.grad is not None and not p.grad.any() for p in projector)
+    alone = model(**{k: v for k, v in text.items() if k in ("input_ids", "labels", "attention_mask")}).loss
+    assert float(loss.detach()) == pytest.approx(float(alone.detach()), rel=1e-6)
+    with_image = VisionCollator(Collator(tokenizer.pad_token_id), vision)([*rows, {**rows[0], "image_refs": [
+        images["red"]]}])
+    assert with_image["num_images"].tolist() == [0, 0, 1] and len(with_image["input_ids"]) == 3  # no blank row
+
+
 def test_the_parts_freeze_and_lora_targets_follow_the_names(tiny_vlm_dirs):
     from transformers import AutoModelForImageTextToText
 
@@ -268,8 +306,21 @@ def test_every_bad_image_is_one_line_naming_the_record(tiny_vlm_dirs, images, tm
     record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "red " * 20},
                                                         {"type": "image", "image": images["red"]}]},
                            {"role": "assistant", "content": "red"}]}
-    with pytest.raises(DataError, match="image tokens reach past data.max_seq_len=16"):
-        tokenize_record(record, tokenizer, short)
+    cut = tokenize_record(record, tokenizer, short)  # dropped and counted by the pipeline, not a stop
+    assert (cut["image_cut"], cut["n_targets"]) == (True, 0)
+
+
+def test_an_image_too_large_to_open_safely_is_one_line(tiny_vlm_dirs, images, monkeypatch):
+    """PIL's DecompressionBombError (an image over twice PIL's pixel limit: a 14000 x 14000 photo) is a DataError
+    naming the image, not a traceback; the limit is lowered here instead of writing such a file."""
+    from PIL import Image
+
+    from disttrain.data.vision import open_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(DataError, match=r"red_circle.png is too large to open safely") as caught:
+        open_image(images["red"])
+    assert "\n" not in str(caught.value)
 
 
 def test_a_bad_image_in_a_file_names_its_line(tiny_vlm_dirs, images, tmp_path):
@@ -286,6 +337,26 @@ def test_a_bad_image_in_a_file_names_its_line(tiny_vlm_dirs, images, tmp_path):
     section = DataSection(path=str(tmp_path / "vlm.jsonl"), format="chat", max_seq_len=128)
     with pytest.raises(DataError, match=r"vlm.jsonl:3: .*missing.png not found"):
         build_datasets(section, tokenizer_of(tiny_vlm_dirs["gemma3"]), 0, nullcontext)
+
+
+def test_an_image_row_longer_than_max_seq_len_is_dropped_and_counted_not_a_stop(tiny_vlm_dirs, tmp_path):
+    """A conversation whose image tokens reach past max_seq_len (a large photo under a family that counts tokens by
+    size) is dropped and counted in the data report; the rest of the file trains."""
+    from contextlib import nullcontext
+
+    from disttrain.data.pipeline import build_datasets
+
+    def record(question):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": question},
+                                                          {"type": "image", "image": "red.png"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]}
+    draw_shape("circle", "red").save(tmp_path / "red.png")
+    records = [record("Colour?"), record("red " * 40 + "Colour?"), record("Which colour?")]
+    (tmp_path / "vlm.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    section = DataSection(path=str(tmp_path / "vlm.jsonl"), format="chat", max_seq_len=40)
+    built = build_datasets(section, tokenizer_of(tiny_vlm_dirs["gemma3"]), 0, nullcontext)
+    train, report = built[0], built[2]["train"]
+    assert (len(train), report.dropped_image_cut, report.dropped_no_target) == (2, 1, 0)
 
 
 def test_a_text_model_refuses_records_with_images(tokenizer, images):
@@ -323,3 +394,27 @@ def test_a_parquet_file_with_an_image_column_as_the_hub_datasets_store_it(tiny_v
     vision = vision_of(tokenizer)
     ours, theirs = vision.pixels(rows[0]["image_refs"]), vision.pixels([str(picture)])
     assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
+
+
+def test_llama_32_vision_is_refused_in_one_line_before_any_weight(tmp_path):
+    """Mllama reads images through cross-attention layers (a cross_attention_mask per row, image tiles) that the
+    data path does not build: its config alone (transformers' MllamaConfig, tiny) stops the run in one line, as
+    the launch checks it before loading (parallel/checks.py)."""
+    from transformers import MllamaConfig
+
+    from disttrain.errors import DisttrainError
+    from disttrain.parallel import checks
+    from disttrain.recipe.schema import load_recipe
+    from conftest import REPO
+
+    MllamaConfig(vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1,
+                                "attention_heads": 2, "intermediate_size": 64, "image_size": 56, "patch_size": 14,
+                                "vision_output_dim": 64, "intermediate_layers_indices": [0]},
+                 text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 300,
+                              "cross_attention_layers": [1], "bos_token_id": 1, "eos_token_id": 2,
+                              "pad_token_id": 0}).save_pretrained(tmp_path)
+    recipe = load_recipe(REPO / "recipes/tiny/vlm_sft.yaml", [f"model.name_or_path={tmp_path}"])
+    with pytest.raises(DisttrainError, match="reading images through cross-attention layers") as caught:
+        checks.check_model_config(recipe, 1, 1, 1, 1)
+    assert "Mllama" in str(caught.value) and "\n" not in str(caught.value)

@@ -22,7 +22,7 @@ from disttrain.data.vision import IMAGES_KEY, vision_of
 from disttrain.errors import DataError
 
 
-EXAMPLE_COLUMNS = ("input_ids", "labels", "n_targets", "n_tokens", "truncated")
+EXAMPLE_COLUMNS = ("input_ids", "labels", "n_targets", "n_tokens", "truncated", "image_cut")
 MAP_BATCH = 1000        # records per tokenizer call
 MAX_WORKERS = 16        # default data.num_proc is the CPU count, bounded by this
 ROWS_PER_WORKER = 20_000  # ... and by the rows: a worker process costs about a second to start
@@ -38,6 +38,7 @@ class DataReport:
     target_tokens: int
     tokens: int = 0                      # non-padding input tokens of one epoch
     dropped_remainder_tokens: int = 0    # concat-and-chunk: the final partial row
+    dropped_image_cut: int = 0           # image rows whose image tokens reach past max_seq_len (not truncated)
     sources: dict[str, dict] = field(default_factory=dict)  # per source: examples, target_tokens (mixtures)
     # this rank only: seconds spent loading + preparing (after waiting for the main process), and whether it
     # tokenised (wrote cache files) itself instead of reading the main process's cache
@@ -52,7 +53,8 @@ def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> 
     if truncated:
         ids, labels = ids[: section.max_seq_len], labels[: section.max_seq_len]
     n_targets = len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
-    return {"input_ids": ids, "labels": labels, "n_targets": n_targets, "n_tokens": len(ids), "truncated": truncated}
+    return {"input_ids": ids, "labels": labels, "n_targets": n_targets, "n_tokens": len(ids), "truncated": truncated,
+            "image_cut": False}
 
 
 def tokenize_batch(records: list, tokenizer, section: DataSection, source: SourceSection, where=None) -> dict:
@@ -75,13 +77,11 @@ def tokenize_batch(records: list, tokenizer, section: DataSection, source: Sourc
         return tokenize_pairs(rendered, tokenizer, section.max_seq_len)
     vision = vision_of(tokenizer)
     examples = []
-    for i, (r, (ids, labels)) in enumerate(zip(rendered, tokenize_rendered(rendered, tokenizer))):
-        if vision is not None and r.images and len(ids) > section.max_seq_len:
-            try:
-                vision.check_cut(ids, section.max_seq_len)
-            except DataError as exc:
-                raise DataError(f"{name(i)}: {exc}") from None
-        examples.append(_example_fields(ids, labels, section))
+    for r, (ids, labels) in zip(rendered, tokenize_rendered(rendered, tokenizer)):
+        example = _example_fields(ids, labels, section)
+        if vision is not None and r.images and vision.cuts_image(ids, section.max_seq_len):
+            example.update(n_targets=0, image_cut=True)  # dropped with the empty ones, counted apart (a large photo
+        examples.append(example)                         # must not stop a whole dataset's tokenisation)
     columns = {key: [e[key] for e in examples] for key in EXAMPLE_COLUMNS}
     if vision is not None:  # every row has the column (a text-only record: no image), so sources mix
         columns[IMAGES_KEY] = [r.images or [] for r in rendered]
@@ -174,6 +174,7 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
                  for i, p in enumerate(parts)]
     n_before = sum(len(t) for t in tokenized)
     truncated = sum(column_sum(t, "truncated") for t in tokenized)
+    image_cut = sum(column_sum(t, "image_cut") for t in tokenized if "image_cut" in t.column_names)
     kept = [t.filter(lambda ns: [n > 0 for n in ns], input_columns="n_targets", batched=True,
                      batch_size=MAP_BATCH, num_proc=workers(section, len(t))) for t in tokenized]
     if sum(len(k) for k in kept) == 0:
@@ -185,10 +186,11 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
                             "target tokens")
     names = [p.source.label() for p in parts]
     mixed = mix(kept, [p.source.weight for p in parts], seed)
-    report = DataReport(n_before, 0, n_before - sum(len(k) for k in kept), truncated, column_sum(mixed, "n_targets"),
-                        tokens=column_sum(mixed, "n_tokens"),
-                        sources=per_source(mixed, names) if len(parts) > 1 else {})
-    rows = mixed.remove_columns(["n_targets", "n_tokens", "truncated", SOURCE_KEY])
+    report = DataReport(n_before, 0, n_before - sum(len(k) for k in kept) - image_cut, truncated,
+                        column_sum(mixed, "n_targets"), tokens=column_sum(mixed, "n_tokens"),
+                        sources=per_source(mixed, names) if len(parts) > 1 else {}, dropped_image_cut=image_cut)
+    rows = mixed.remove_columns([c for c in ("n_targets", "n_tokens", "truncated", "image_cut", SOURCE_KEY)
+                                 if c in mixed.column_names])
     if section.concat_and_chunk:
         # batches in order, one process: a row may continue into the next batch (DocumentChunker); only the
         # final remainder is dropped

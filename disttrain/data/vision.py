@@ -13,6 +13,13 @@
 - **Batches** (`VisionCollator`): the images of a micro-batch are loaded again and go through the processor's
   image processor; its pixel tensors (and the token types a family's attention needs, Gemma 3's
   `token_type_ids`) join the text collator's batch, with each row's image count for the loss self-check.
+  A micro-batch of text-only rows gets one more row: a blank image in the template's user turn, every label
+  ignored (`VisionInputs.blank_row`, as LLaMA-Factory pads such batches with a fake image). Without it the image
+  encoder and projector sit out that micro-batch on that rank only: DDP's gradient all-reduce waits for their
+  gradients until the collective timeout, and FSDP2 / ZeRO-3 gather their weights on the other ranks only. The
+  row's loss is exactly zero and its gradients exactly zero (nothing reads its outputs); other rows never attend to
+  it (a row of its own), so the losses equal one process's (the matrix's vision runs read image and text-only
+  rows alternating).
 
 Hand-written because transformers' processors tokenise and mask nothing for training (their assistant masks
 need `{% generation %}` markers) and TRL's vision collator learns every text token of a conversation.
@@ -30,6 +37,7 @@ from pathlib import Path
 import torch
 
 from disttrain.data.collation import IMAGES_COUNT_KEY as COUNT_KEY
+from disttrain.data.templates import IGNORE_INDEX
 from disttrain.errors import DataError
 
 IMAGES_KEY = "image_refs"  # a row's images (paths or data URIs) in the tokenised dataset; not "images": a map
@@ -77,6 +85,9 @@ def open_image(ref: str, max_pixels: int | None = None, min_pixels: int | None =
             source = ref
         with Image.open(source) as image:
             image = image.convert("RGB")
+    except Image.DecompressionBombError as exc:  # PIL's guard against images that would fill memory
+        raise DataError(f"image {shown} is too large to open safely ({str(exc).splitlines()[0]}); shrink it or "
+                        "drop the record") from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise DataError(f"image {shown} cannot be read as an image ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -157,6 +168,7 @@ class VisionInputs:
     min_pixels: int | None = None
     max_images: int = 8
     image_ids: tuple[int, ...] = field(init=False)
+    _blank: dict | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         ids = getattr(self.processor, "image_token_ids", None) or [getattr(self.processor, "image_token_id", None)]
@@ -197,11 +209,33 @@ class VisionInputs:
             return at + sum(delta for end, delta in moves if end <= at)
         return "".join(pieces), [(moved(a), moved(b)) for a, b in spans]
 
-    def check_cut(self, ids: list[int], max_seq_len: int) -> None:
-        """Truncation may cut text, never an image's tokens (the model needs all of them or none)."""
-        if any(t in self.image_ids for t in ids[max_seq_len:]):
-            raise DataError(f"its image tokens reach past data.max_seq_len={max_seq_len}: raise max_seq_len, or "
-                            "lower data.max_pixels (fewer tokens per image for families that count them by size)")
+    def blank_row(self, like: dict) -> dict:
+        """A row holding one blank image in the chat template's user turn, no label learned: what a micro-batch
+        without images adds so that every rank runs the image path (the module docstring says why)."""
+        if self._blank is None:
+            from PIL import Image
+
+            buffer = io.BytesIO()
+            Image.new("RGB", (64, 64), (127, 127, 127)).save(buffer, format="PNG")
+            ref = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+            tokenizer = self.processor.tokenizer
+            text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+            try:
+                ids = self.processor(text=[text], images=[self.load([ref])])["input_ids"][0]
+            except (ValueError, TypeError) as exc:
+                raise DataError("a micro-batch without images needs a blank image's row, and the processor refused "
+                                f"the chat template's image turn: {str(exc).strip().splitlines()[0]}") from None
+            ids = [int(i) for i in ids]
+            self._blank = {"input_ids": ids, "labels": [IGNORE_INDEX] * len(ids), IMAGES_KEY: [ref]}
+        row = {**like, **self._blank}
+        if "position_ids" in like:
+            row["position_ids"] = list(range(len(row["input_ids"])))
+        return row
+
+    def cuts_image(self, ids: list[int], max_seq_len: int) -> bool:
+        """Whether truncation to max_seq_len would cut an image's tokens (the model needs all of them or none):
+        such a row is dropped and counted, not truncated (data/pipeline.py)."""
+        return any(t in self.image_ids for t in ids[max_seq_len:])
 
     def pixels(self, refs: list[str]) -> dict[str, torch.Tensor]:
         """The images' model inputs from the image processor (pixel_values, and e.g. Qwen's image_grid_thw)."""
@@ -249,7 +283,8 @@ def with_images(collator, tokenizer):
 
 @dataclass
 class VisionCollator:
-    """The text collator's batch, plus the micro-batch's pixels and token types (rows without images add none)."""
+    """The text collator's batch, plus the micro-batch's pixels and token types (rows without images add none; a
+    micro-batch without any gets a blank image's row)."""
 
     collate: object  # data.collation.Collator
     vision: VisionInputs
@@ -259,6 +294,8 @@ class VisionCollator:
         return self.collate.pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if not any(r.get(IMAGES_KEY) for r in rows):  # every rank runs the image path (module docstring)
+            rows = [*rows, self.vision.blank_row(rows[0])]
         refs = [list(r.get(IMAGES_KEY) or []) for r in rows]
         batch = self.collate([{k: v for k, v in r.items() if k != IMAGES_KEY} for r in rows])
         batch[COUNT_KEY] = torch.tensor([len(r) for r in refs], dtype=torch.long)
@@ -269,17 +306,18 @@ class VisionCollator:
         return batch
 
 
-def first_row_images(batch: dict, part: dict) -> dict:
-    """The loss self-check's one sequence (`part`, cut from the batch's 2-D tensors) with its own images: the
-    first row's pixels (per image, or per patch where the processor gives a grid per image, Qwen-VL)."""
+def row_images(batch: dict, part: dict, row: int = 0) -> dict:
+    """The loss self-check's one sequence (`part`, cut from row `row` of the batch's 2-D tensors) with its own
+    images: that row's pixels (per image, or per patch where the processor gives a grid per image, Qwen-VL)."""
     if COUNT_KEY not in batch:
         return part
-    n = int(batch[COUNT_KEY][0])
+    before, n = int(batch[COUNT_KEY][:row].sum()), int(batch[COUNT_KEY][row])
     grid = next((k for k in batch if k.endswith("grid_thw")), None)
     out = {k: v for k, v in part.items() if k not in ("pixel_values", grid)}
     if "pixel_values" in batch and n:
-        rows = int(batch[grid][:n].prod(-1).sum()) if grid else n
-        out["pixel_values"] = batch["pixel_values"][:rows]
+        start = int(batch[grid][:before].prod(-1).sum()) if grid else before
+        rows = int(batch[grid][before:before + n].prod(-1).sum()) if grid else n
+        out["pixel_values"] = batch["pixel_values"][start:start + rows]
         if grid:
-            out[grid] = batch[grid][:n]
+            out[grid] = batch[grid][before:before + n]
     return out

@@ -40,6 +40,8 @@ class Family:
     kv_heads: int
     windowed_layers: frozenset[str] = field(default_factory=frozenset)  # layer types that do not attend in full
     vision: bool = False  # a vision-language model: an image encoder beside the language model (model/parts.py)
+    # images enter through cross-attention layers (Llama 3.2 Vision / Mllama), not as tokens in the sequence
+    cross_attention_images: bool = False
     # transformers ships an expert-parallel plan for it that sends the tokens to their experts (base_model_ep_plan)
     ep_plan: bool = False
 
@@ -64,6 +66,7 @@ class Family:
                    tp_plan=bool(getattr(text, "base_model_tp_plan", None)), heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, windowed_layers=frozenset(windowed),
                    vision=getattr(config, "vision_config", None) is not None,
+                   cross_attention_images=bool(getattr(text, "cross_attention_layers", None)),
                    ep_plan="ep_dispatch_experts" in (getattr(text, "base_model_ep_plan", None) or {}).values())
 
     @classmethod

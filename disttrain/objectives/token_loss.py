@@ -30,7 +30,7 @@ import torch
 
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX, LENGTHS_KEY, SHIFT_LABELS_KEY, count_targets
 from disttrain.data.collation import IMAGES_COUNT_KEY
-from disttrain.data.vision import first_row_images
+from disttrain.data.vision import row_images
 from disttrain.data.collation import shifted as shift
 from disttrain.model.family import Family, configs_of
 from disttrain.objectives import fused_head
@@ -504,11 +504,14 @@ def _one_sequence(batch: dict, max_tokens: int) -> dict:
         end = min(int(batch["cu_seq_lens_q"][1]), max_tokens)
         keys = ("input_ids", "labels", "position_ids") + ((SHIFT_LABELS_KEY,) if SHIFT_LABELS_KEY in batch else ())
         return {k: batch[k][:, :end] for k in keys} | {LENGTHS_KEY: batch[LENGTHS_KEY].new_tensor([end])}
-    if IMAGES_COUNT_KEY in batch and int(batch[IMAGES_COUNT_KEY][0]):
-        max_tokens = int(batch[LENGTHS_KEY][0])  # a row with images whole: its image tokens all or none
-    end = min(int(batch[LENGTHS_KEY][0]), max_tokens)
-    part = {k: v[:1, :end] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
-    return first_row_images(batch, part | {LENGTHS_KEY: batch[LENGTHS_KEY][:1].clamp(max=end)})
+    row = 0
+    with_images = torch.nonzero(batch[IMAGES_COUNT_KEY]).flatten() if IMAGES_COUNT_KEY in batch else []
+    if len(with_images):  # a row with images, whole (its image tokens all or none): every rank's forward runs the
+        row = int(with_images[0])  # image path (a text-only micro-batch's is the blank image's row: data/vision.py)
+        max_tokens = int(batch[LENGTHS_KEY][row])
+    end = min(int(batch[LENGTHS_KEY][row]), max_tokens)
+    part = {k: v[row:row + 1, :end] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+    return row_images(batch, part | {LENGTHS_KEY: batch[LENGTHS_KEY][row:row + 1].clamp(max=end)}, row)
 
 
 def _per_row_sums(per_token: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -237,7 +237,10 @@ def check_vision_language(recipe: Recipe, family: Family, splits_rows: bool) -> 
         return
     from disttrain.model.parts import PARTS
 
-    refused = [(splits_rows, "Ulysses, context or tensor parallelism (images and 3-D positions across a cut "
+    refused = [(family.cross_attention_images, "reading images through cross-attention layers "
+                "(Llama 3.2 Vision / Mllama: a cross_attention_mask per row and image tiles, which the data path does "
+                "not build)"),
+               (splits_rows, "Ulysses, context or tensor parallelism (images and 3-D positions across a cut "
                 "sequence or split layers, unverified here)"),
                (t.objective != "sft", f"training.objective={t.objective}"),
                (d.packing or d.concat_and_chunk, "data.packing / concat_and_chunk (image rows packed: not proven "

@@ -127,7 +127,7 @@ FEATURES = (
             ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
     Feature("vlm", "vision-language SFT (images; the variants below)",
-            ("data.path=data/tiny_vlm.jsonl", "data.format=chat", "data.eval_path=data/tiny_vlm_eval.jsonl",
+            ("data.path=data/tiny_vlm_mixed.jsonl", "data.format=chat", "data.eval_path=data/tiny_vlm_eval.jsonl",
              "data.max_seq_len=64", "training.eval_every=2"), vision=True),
     Feature("scoring", "evaluation during training (lm-eval)",
             ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
@@ -222,7 +222,7 @@ REWARD_VARIANT = {
 # The vision-language runs: the image encoder frozen (the default), LoRA on the language model and projector, or
 # every part trained, in turn; each compared with one process running the same variant.
 VISION_VARIANT = {
-    "single_gpu": (), "ddp": ("lora.r=8", "lora.dropout=0"), "fsdp": (), "fsdp_offload": ("model.freeze=[]",),
+    "single_gpu": (), "ddp": (), "fsdp": (), "fsdp_offload": ("model.freeze=[]",),
     "hsdp": ("lora.r=8", "lora.dropout=0"), "zero1": ("model.freeze=[]",), "zero2": ("lora.r=8", "lora.dropout=0"),
     "zero3": (), "zero3_offload": ("model.freeze=[]",),
 }

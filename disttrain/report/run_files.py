@@ -62,6 +62,10 @@ def report_data(accelerator, reports: dict, out_dir: str | Path) -> None:
         if r.dropped_no_target:
             accelerator.print(f"data[{name}]: WARNING dropped {r.dropped_no_target} examples with no target tokens "
                               "(prompt fills max_seq_len, or empty answer)")
+        if r.dropped_image_cut:
+            accelerator.print(f"data[{name}]: WARNING dropped {r.dropped_image_cut} examples whose image tokens reach "
+                              "past max_seq_len (an image is all its tokens or none): raise data.max_seq_len, or lower "
+                              "data.max_pixels")
         if r.truncated:
             accelerator.print(f"data[{name}]: note: {r.truncated} examples truncated to max_seq_len")
         if r.dropped_remainder_tokens:
