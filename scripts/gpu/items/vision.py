@@ -2,7 +2,9 @@
 processor, no torchvision) trained on the shipped pictures in bf16 under FSDP2 (its encoder blocks wrapped by their
 own class, from the model's _no_split_modules) and under ZeRO-3 (the encoder partitioned; the bucket sizes from the
 text config's hidden size): the paths a GPU runs differently (bf16 pixels through the encoder, sdpa's CUDA kernels
-with Gemma 3's bidirectional image blocks, FSDP2 / DeepSpeed on NCCL)."""
+with Gemma 3's bidirectional image blocks, FSDP2 / DeepSpeed on NCCL). The data alternates image and text-only
+rows, one row per micro-batch: a text-only micro-batch's blank image row (data/vision.py) keeps the ranks' NCCL
+collectives in step."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ def vision_language(ctx: Ctx, config: str) -> tuple[str, str]:
     steps = ctx.s.steps * STEPS_PER_SETTING_STEP
     tree = recipe(ctx, run, model={"name_or_path": str(model_dir), "dtype": "float32",
                                    "attn_implementation": "sdpa"},
-                  data={"path": str(REPO / "data/tiny_vlm.jsonl"), "format": "chat", "packing": False,
+                  data={"path": str(REPO / "data/tiny_vlm_mixed.jsonl"), "format": "chat", "packing": False,
                         "eval_path": str(REPO / "data/tiny_vlm_eval.jsonl"), "max_seq_len": 64},
-                  training={"max_steps": steps, "micro_batch_size": 8, "grad_accum": 1, "lr": 3e-3,
+                  training={"max_steps": steps, "micro_batch_size": 1, "grad_accum": 8, "lr": 3e-3,
                             "eval_every": steps // 2},
                   logging={"samples": 1})
     proc, log = train(ctx, "run", config, tree)
