@@ -292,6 +292,16 @@ def _start_pods(engine: str, recipe, logs: list, env: dict | None = None) -> lis
             for i, log in enumerate(logs)]
 
 
+def _pods_finish(engine: str, recipe, logs: list) -> list[str]:
+    """The pods run to the end (exit 0 each); their logs."""
+    pods = _start_pods(engine, recipe, logs)
+    for pod in pods:
+        pod.wait(timeout=300)
+    texts = [log.read_text() for log in logs]
+    assert [pod.returncode for pod in pods] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
+    return texts
+
+
 def _when_a_save_is_under_way(logs: list, timeout_s: float = 180) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline and not any(log.exists() and "checkpoint save delayed" in log.read_text()
@@ -344,12 +354,7 @@ def test_sigterm_to_each_pods_entry_checkpoints_ends_every_process_and_the_pods_
     assert [pod.returncode for pod in pods] == [143, 143], texts[0][-3000:] + texts[1][-3000:]
     assert _all_exited(under) == [] and "every process of the run has exited" in texts[1]
     step = _stopped_with_a_checkpoint(texts[0], tmp_path / "pods")
-    again = [tmp_path / f"pod{i}-again.log" for i in (0, 1)]
-    pods = _start_pods("kubernetes", recipe, again)
-    for pod in pods:
-        pod.wait(timeout=300)
-    texts = [log.read_text() for log in again]
-    assert [pod.returncode for pod in pods] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
+    texts = _pods_finish("kubernetes", recipe, [tmp_path / f"pod{i}-again.log" for i in (0, 1)])
     assert f"step-{step:08d} at step {step}/" in texts[0] and "cluster: kubernetes node 1 of 2" in texts[1]
     _same_as_the_two_node_run(runs, tiny_model_dir, tmp_path / "pods")
 
@@ -359,12 +364,7 @@ def test_two_pytorchjob_pods_train_like_the_two_node_run(runs, tiny_model_dir, t
     """The entry as each pod of the PyTorchJob runs it, with the variables the training operator sets there (its
     WORLD_SIZE / RANK / PET_* describe pods: the entry keeps them from torchrun's workers), on loopback."""
     recipe = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "pods")
-    logs = [tmp_path / f"pod{i}.log" for i in (0, 1)]
-    pods = _start_pods("pytorchjob", recipe, logs)
-    for pod in pods:
-        pod.wait(timeout=300)
-    texts = [log.read_text() for log in logs]
-    assert [pod.returncode for pod in pods] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
+    texts = _pods_finish("pytorchjob", recipe, [tmp_path / f"pod{i}.log" for i in (0, 1)])
     assert "cluster: pytorchjob node 1 of 2" in texts[1] and "processes=2" in texts[0]
     _same_as_the_two_node_run(runs, tiny_model_dir, tmp_path / "pods")
 
