@@ -150,7 +150,11 @@ def collective_failures_explained():
 def watch(timeout_s: float, check_every_s: float | None = None) -> None:
     """Remember the process-group timeout and start a daemon thread that says, once per phase, when this
     rank has been stuck for 80 % of it. With NCCL the watchdog then aborts the process from C++ without
-    naming our phase or step; this line names them first."""
+    naming our phase or step; this line names them first. A rank that dies in native code (SIGSEGV, SIGABRT)
+    prints every thread's Python stack first (faulthandler), where torchrun's summary gives only the signal."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
     global _timeout_s
     _timeout_s = float(timeout_s)
     interval = check_every_s or max(0.2, min(10.0, timeout_s / 20))
