@@ -418,3 +418,69 @@ def test_llama_32_vision_is_refused_in_one_line_before_any_weight(tmp_path):
     with pytest.raises(DisttrainError, match="reading images through cross-attention layers") as caught:
         checks.check_model_config(recipe, 1, 1, 1, 1)
     assert "Mllama" in str(caught.value) and "\n" not in str(caught.value)
+
+
+PADDLE_TEMPLATE = (  # PaddleOCR-VL's layout: the image between its markers, then the question; ChatML-like turns
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{%- if message['content'] is string %}"
+    "{{ message['content'] }}{%- else %}{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
+    "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>{%- else %}{{ part['text'] }}{%- endif %}{%- endfor %}"
+    "{%- endif %}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def pixel_sized_dir(tmp_path_factory):
+    """A processor that sizes images by their pixel count (PaddleOCR-VL's: Qwen2-VL's image processor layout,
+    without the video processor that needs torchvision), built locally, beside its family's config."""
+    from transformers import PaddleOCRVLConfig, PaddleOCRVLProcessor
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import PaddleOCRVLImageProcessorPil
+
+    from disttrain.tools.tiny import _vlm_corpus, build_tokenizer
+
+    folder = tmp_path_factory.mktemp("paddle")
+    tokenizer = build_tokenizer(_vlm_corpus(), ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|IMAGE_START|>",
+                                                "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>"], PADDLE_TEMPLATE,
+                                eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+                                image_token="<|IMAGE_PLACEHOLDER|>")
+    processor = PaddleOCRVLProcessor(PaddleOCRVLImageProcessorPil(), tokenizer, chat_template=PADDLE_TEMPLATE)
+    processor.save_pretrained(folder)
+    PaddleOCRVLConfig().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("limits, tokens, source", [
+    ({}, 3009, "the processor's own"),                                 # its own largest: 2359296 pixels
+    ({"max_seq_len": 2048}, 1024, "half of data.max_seq_len"),          # one image at most half the row
+    ({"max_seq_len": 2048, "max_pixels": 28 * 28 * 64}, 64, "data.max_pixels")])
+def test_a_processor_that_counts_pixels_gets_the_limits_and_the_export_keeps_them(pixel_sized_dir, tmp_path, limits,
+                                                                                   tokens, source):
+    """A 2000x1500 photo under a processor that sizes images by pixels: without data.max_pixels the processor's
+    own limit stays, lowered where one image would fill more than half of max_seq_len (its row is trained, not
+    dropped); data.max_pixels wins. The processor itself resizes (as at inference), and the processor written
+    beside the exported model gives the training row's tokens for the same conversation."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from contextlib import nullcontext
+
+    from disttrain.data.pipeline import build_datasets
+    from disttrain.data.vision import saved_with
+
+    Image.new("RGB", (2000, 1500), (200, 30, 30)).save(tmp_path / "photo.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "photo.png"},
+                                                       {"type": "text", "text": "Colour?"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]}
+    (tmp_path / "vlm.jsonl").write_text(json.dumps(record) + "\n")
+    section = {"max_seq_len": 8192, **limits}
+    tokenizer = tokenizer_of(pixel_sized_dir, **section)
+    built = build_datasets(DataSection(path=str(tmp_path / "vlm.jsonl"), format="chat", **section), tokenizer, 0,
+                           nullcontext)
+    row, report = built[0][0], built[2]["train"]
+    image_id = vision_of(tokenizer).processor.image_token_id
+    assert tokens * 0.8 < row["input_ids"].count(image_id) <= tokens  # the grid rounds down
+    assert source in report.images and report.dropped_image_cut == 0
+
+    saved_with(tokenizer).save_pretrained(tmp_path / "export")
+    exported = AutoProcessor.from_pretrained(tmp_path / "export")
+    text = exported.apply_chat_template(record["messages"], tokenize=False)
+    ids = exported(text=[text], images=[[Image.open(tmp_path / "photo.png")]])["input_ids"][0]
+    assert list(ids) == row["input_ids"]

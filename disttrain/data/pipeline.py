@@ -40,6 +40,7 @@ class DataReport:
     dropped_remainder_tokens: int = 0    # concat-and-chunk: the final partial row
     dropped_image_cut: int = 0           # image rows whose image tokens reach past max_seq_len (not truncated)
     sources: dict[str, dict] = field(default_factory=dict)  # per source: examples, target_tokens (mixtures)
+    images: str | None = None            # how the processor sizes images, where it counts their pixels
     # this rank only: seconds spent loading + preparing (after waiting for the main process), and whether it
     # tokenised (wrote cache files) itself instead of reading the main process's cache
     prepare_s: float = 0.0
@@ -188,7 +189,8 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
     mixed = mix(kept, [p.source.weight for p in parts], seed)
     report = DataReport(n_before, 0, n_before - sum(len(k) for k in kept) - image_cut, truncated,
                         column_sum(mixed, "n_targets"), tokens=column_sum(mixed, "n_tokens"),
-                        sources=per_source(mixed, names) if len(parts) > 1 else {}, dropped_image_cut=image_cut)
+                        sources=per_source(mixed, names) if len(parts) > 1 else {}, dropped_image_cut=image_cut,
+                        images=vision.describe_limits() if (vision := vision_of(tokenizer)) else None)
     rows = mixed.remove_columns([c for c in ("n_targets", "n_tokens", "truncated", "image_cut", SOURCE_KEY)
                                  if c in mixed.column_names])
     if section.concat_and_chunk:

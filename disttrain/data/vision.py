@@ -158,16 +158,34 @@ def take_images(messages: list[dict], column) -> tuple[list[dict], list]:
     return out, images
 
 
+def pixels_per_token(image_processor) -> int | None:
+    """How many pixels one image token stands for, where the image processor sizes images by their pixel count
+    (Qwen2-VL's layout, which Qwen2.5/3-VL, GLM-4V, PaddleOCR-VL and others share: `size` holds the smallest and
+    largest pixel counts as shortest_edge / longest_edge, tokens are patches merged merge_size x merge_size);
+    None for processors that resize every image to one resolution (a fixed token count)."""
+    kwargs = getattr(getattr(type(image_processor), "valid_kwargs", None), "__annotations__", {})
+    size, patch = getattr(image_processor, "size", None), getattr(image_processor, "patch_size", None)
+    if "max_pixels" not in kwargs or not getattr(size, "longest_edge", None) or not isinstance(patch, int):
+        return None
+    return (patch * (getattr(image_processor, "merge_size", None) or 1)) ** 2
+
+
 @dataclass
 class VisionInputs:
     """A vision-language model's processor and the recipe's image limits; what the data pipeline and the
-    collator ask about images (data/templates.py renders the text as for any conversation)."""
+    collator ask about images (data/templates.py renders the text as for any conversation).
+
+    A processor that sizes images by their pixel count gets the limits itself (`pixel_limits`), so it resizes
+    exactly as the exported processor will at inference; without data.max_pixels its own largest size is kept,
+    lowered where one image would fill more than half of max_seq_len (its row would be dropped, not trained)."""
 
     processor: object
     max_pixels: int | None = None
     min_pixels: int | None = None
     max_images: int = 8
+    max_seq_len: int | None = None
     image_ids: tuple[int, ...] = field(init=False)
+    pixel_limits: tuple[int, int, str] | None = field(init=False, default=None)  # (min, max, where max came from)
     _blank: dict | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
@@ -175,8 +193,33 @@ class VisionInputs:
         tokenizer = self.processor.tokenizer
         extra = getattr(tokenizer, "image_token_id", None) if hasattr(tokenizer, "image_token") else None
         self.image_ids = tuple(sorted({i for i in [*ids, extra] if isinstance(i, int)}))
+        per_token = pixels_per_token(self.processor.image_processor)
+        if per_token is not None:
+            self.pixel_limits = self._limit_processor(per_token)
+
+    def _limit_processor(self, per_token: int) -> tuple[int, int, str]:
+        size = self.processor.image_processor.size
+        largest, source = self.max_pixels, "data.max_pixels"
+        if largest is None:
+            largest, source = size.longest_edge, "the processor's own"
+            if self.max_seq_len and largest // per_token > self.max_seq_len // 2:
+                largest, source = per_token * (self.max_seq_len // 2), "half of data.max_seq_len"
+        smallest = min(self.min_pixels or size.shortest_edge or per_token, largest)
+        size.longest_edge, size.shortest_edge = largest, smallest  # written with the processor at export
+        return smallest, largest, source
+
+    def describe_limits(self) -> str | None:
+        """The log's line on image sizes, for a processor that sizes images by pixels."""
+        if self.pixel_limits is None:
+            return None
+        smallest, largest, source = self.pixel_limits
+        per_token = pixels_per_token(self.processor.image_processor)
+        return (f"images scaled to {smallest}..{largest} pixels (at most {largest // per_token} tokens each; the "
+                f"largest from {source}) by the processor, which the exported model keeps")
 
     def load(self, refs: list[str]) -> list:
+        if self.pixel_limits is not None:  # the processor scales them itself, as it will at inference
+            return [open_image(ref) for ref in refs]
         return [open_image(ref, self.max_pixels, self.min_pixels) for ref in refs]
 
     def expand(self, text: str, spans: list[tuple[int, int]], refs: list[str]) -> tuple[str, list[tuple[int, int]]]:

@@ -54,7 +54,7 @@ def _processor_tokenizer(spec: ModelSection, data: DataSection | None):
     if tokenizer.chat_template is None and getattr(processor, "chat_template", None):
         tokenizer.chat_template = processor.chat_template  # the data path renders with the tokenizer
     limits = {} if data is None else {"max_pixels": data.max_pixels, "min_pixels": data.min_pixels,
-                                      "max_images": data.max_images}
+                                      "max_images": data.max_images, "max_seq_len": data.max_seq_len}
     attach(tokenizer, VisionInputs(processor, **limits))
     return tokenizer
 

@@ -117,9 +117,11 @@ class DataSection(_SourceFields):
                                  "(at most 16), one per 20k records")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded, the same on every rank)")
     max_pixels: int | None = Field(None, ge=1, description="Vision-language data: images larger than this many "
-                                   "pixels are scaled down (aspect kept) before the processor sees them (fewer "
-                                   "image tokens for families that count them by size, Qwen-VL)")
-    min_pixels: int | None = Field(None, ge=1, description="Vision-language data: smaller images are scaled up")
+                                   "pixels are scaled down (aspect kept). A processor that counts image tokens by "
+                                   "size (Qwen-VL's layout) gets it as its own limit, kept in the exported model; "
+                                   "default there: its own, lowered so one image fills at most half of max_seq_len")
+    min_pixels: int | None = Field(None, ge=1, description="Vision-language data: smaller images are scaled up "
+                                   "(default there: the processor's own)")
     max_images: int = Field(8, ge=1, description="Vision-language data: more images in one conversation stop the "
                             "run in one line naming the record")
     streaming: bool = Field(False, description="Read the training data as a stream (local files or the hub): "

@@ -59,6 +59,8 @@ def report_data(accelerator, reports: dict, out_dir: str | Path) -> None:
             accelerator.print(f"data[{name}]: mixture: {source}: {counts['examples']} examples, "
                               f"{counts['target_tokens']} target tokens "
                               f"({counts['target_tokens'] / max(r.target_tokens, 1):.1%})")
+        if r.images:
+            accelerator.print(f"data[{name}]: {r.images}")
         if r.dropped_no_target:
             accelerator.print(f"data[{name}]: WARNING dropped {r.dropped_no_target} examples with no target tokens "
                               "(prompt fills max_seq_len, or empty answer)")
