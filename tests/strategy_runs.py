@@ -110,6 +110,10 @@ def losses(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
 
+def grad_norms(out: Path) -> dict:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(out) if "grad_norm" in r}
+
+
 def final_weights(out: Path, lora: bool) -> dict:
     return load_file(out / "final" / ("adapter_model.safetensors" if lora else "model.safetensors"))
 

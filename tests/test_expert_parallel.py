@@ -23,8 +23,8 @@ from disttrain.errors import DisttrainError
 from disttrain.recipe.schema import load_recipe
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_exports_from_its_last_checkpoint,
                            assert_preflight_trains_like, assert_same_run,
-                           assert_trains_like_one_process, final_weights, losses, make_train, matrix_recipe, mesh_plan,
-                           small_data)
+                           assert_trains_like_one_process, final_weights, grad_norms, losses, make_train,
+                           matrix_recipe, mesh_plan, small_data)
 
 
 def test_the_plan_reads_its_own_rows_on_every_process_and_splits_the_experts(monkeypatch):
@@ -125,6 +125,7 @@ def test_experts_on_two_of_four_processes_train_like_one_process_and_resume_exac
     assert "mesh=dp_shard=4,ep=2" in stdout and "processes=4" in stdout
     ref, _ = ep_run(runs, tiny_moe_dir, "single_gpu")
     assert_trains_like_one_process(out, ref, lora=False)
+    assert grad_norms(out) == pytest.approx(grad_norms(ref), rel=1e-4)  # the experts' gradients across the split
     checkpoint = out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}"
     assert (checkpoint / "tp_state" / ".metadata").is_file()  # DCP shards
     recipe = matrix_recipe(tmp_path, tiny_moe_dir, small_data(runs), "resumed", processes=1)
@@ -145,6 +146,32 @@ def test_replicas_of_the_expert_parallel_group_train_like_one_process(runs, tiny
     assert "mesh=dp_replicate=2,dp_shard=2,ep=2" in stdout
     ref, _ = ep_run(runs, tiny_moe_dir, "single_gpu")
     assert_trains_like_one_process(out, ref, lora=False)
+    assert grad_norms(out) == pytest.approx(grad_norms(ref), rel=1e-4)
+
+
+@pytest.mark.launch
+def test_the_router_balanced_over_every_ranks_rows_trains_like_one_process(runs, tiny_moe_dir, tmp_path):
+    """model.router_balance=global, the router loss at 0.1: 4 processes under fsdp_ep (ep 2, a row each) and 2 under
+    DDP (2 rows each) log the losses and gradient norms of one process reading the step's 4 rows in one
+    micro-batch, and end with its weights (1e-4); transformers' per-rank router loss would be another loss."""
+    steps = {"max_steps": 4, "grad_accum": 1}
+    outs = {}
+    for config, processes in (("single_gpu", 1), ("ddp", 2), ("fsdp_ep", 4)):
+        recipe = matrix_recipe(tmp_path, tiny_moe_dir, small_data(runs), config, processes=1,
+                               model={"router_aux_loss_coef": 0.1, "router_balance": "global"},
+                               training={**steps, "micro_batch_size": 4 // processes},
+                               output={"checkpoint_every": None})
+        env = {"PARALLELISM_CONFIG_EP_SIZE": "2"} if config == "fsdp_ep" else None
+        extra = ["--parallelism_config_dp_shard_size", "4"] if config == "fsdp_ep" else ()
+        assert_ok(launch(config, recipe, nproc=processes, env=env, extra_args=extra))
+        outs[config] = tmp_path / config
+    single = outs.pop("single_gpu")
+    for config, out in outs.items():
+        assert sorted(losses(out)) == [1, 2, 3, 4] and losses(out) == pytest.approx(losses(single), rel=1e-4), config
+        assert grad_norms(out) == pytest.approx(grad_norms(single), rel=1e-4), config
+        ours, theirs = final_weights(out, lora=False), final_weights(single, lora=False)
+        for key, value in theirs.items():
+            torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-3, msg=f"{config}: {key}")
 
 
 @pytest.mark.launch

@@ -1,7 +1,9 @@
 """Mixture of experts as a family of its own (tiny Qwen3-MoE, in one process): the router's load-balancing
 loss turned on from the recipe and added as transformers adds it, refused in one line for a dense model; LoRA
 on the experts' fused 3-D weights (peft's target_parameters) trains them, with the chunked loss equal to the
-model's own; FLOPs count the routed experts' active share (tests/test_cost_and_flops.py has the totals)."""
+model's own; FLOPs count the routed experts' active share (tests/test_cost_and_flops.py has the totals); the router
+loss over every rank's micro-batch together (model.router_balance: global) is transformers' own on one process and,
+split over two simulated ranks, averages to the one-process loss and gradients of all the rows."""
 
 import pytest
 import torch
@@ -37,6 +39,53 @@ def test_the_recipe_turns_the_router_loss_on_and_the_loss_adds_it(tiny_moe_dir):
     chunked_off = TokenLoss(off, "chunked").training_loss(off, b, n).detach()
     torch.testing.assert_close(chunked_on, plain_on, rtol=1e-5, atol=1e-6)  # transformers' loss, router term in
     torch.testing.assert_close(chunked_on - chunked_off, 0.5 * aux, rtol=1e-4, atol=1e-6)  # same weights: only it
+
+
+def test_the_global_router_balance_is_transformers_loss_and_two_ranks_average_to_one_process(tiny_moe_dir,
+                                                                                             monkeypatch):
+    """model.router_balance=global. One process: the loss and gradients equal transformers' router loss (padding
+    masked). Two ranks (rows 0-1 and row 2, padded apart; the all-reduce replaced by the other rank's counts): the
+    mean of their terms and of their gradients, as DDP averages them, is the router loss of all three rows in one
+    forward -- transformers' per-rank loss is not."""
+    from disttrain.objectives.router_balance import GlobalRouterBalance, switch_terms
+
+    model = load_model(ModelSection(name_or_path=str(tiny_moe_dir), dtype="float32", router_aux_loss_coef=1.0), None)
+    balance = GlobalRouterBalance((model.config.num_experts, model.config.num_experts_per_tok))
+    whole = batch()
+    rows = [{"input_ids": r[m.bool()].tolist(), "labels": r[m.bool()].tolist()}
+            for r, m in zip(whole["input_ids"], whole["attention_mask"])]
+    halves = [Collator(0)(rows[:2]), Collator(0)(rows[2:])]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def term(b, ranks_terms=None):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        ours = balance.loss(out, b["attention_mask"], across_ranks=ranks_terms is not None)
+        return ours, out.aux_loss, torch.autograd.grad(ours, params, allow_unused=True)
+
+    ours, theirs, _ = term(whole)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)  # one process: transformers' own loss
+    expected = torch.autograd.grad(model(**{k: whole[k] for k in ("input_ids", "attention_mask")}).aux_loss,
+                                   params, allow_unused=True)
+
+    with torch.no_grad():
+        counted = []
+        for half in halves:
+            out = model(input_ids=half["input_ids"], attention_mask=half["attention_mask"])
+            counts, _, n = switch_terms(out.router_logits, balance.experts, balance.top_k, half["attention_mask"])
+            counted.append(torch.cat([counts, n.reshape(1)]))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    per_rank, grads, local = [], [], []
+    for rank, half in enumerate(halves):
+        monkeypatch.setattr(torch.distributed, "all_reduce",
+                            lambda t, *a, other=counted[1 - rank], **k: t.add_(other))
+        value, transformers_value, grad = term(half, ranks_terms=True)
+        per_rank.append(value), grads.append(grad), local.append(transformers_value)
+    torch.testing.assert_close((per_rank[0] + per_rank[1]) / 2, theirs, rtol=1e-5, atol=1e-7)
+    assert abs(float((local[0] + local[1]).detach() / 2 - theirs)) > 1e-4  # the per-rank loss is another loss
+    for a, b, want in zip(*grads, expected):
+        if want is not None:
+            torch.testing.assert_close((a + b) / 2, want, rtol=1e-4, atol=1e-7)
 
 
 def test_a_dense_model_with_a_router_coefficient_is_one_line(tiny_model_dir):

@@ -334,7 +334,7 @@ class GRPOLoss:
             out = self.engine.output(model, batch, self._inputs(batch))
         finally:
             self._batch = None
-        return self.engine.with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as SFT
+        return self.engine.with_router_loss(out.logits / num_items_in_batch, out, batch)  # MoE: the router loss, as SFT
 
     def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         batch = self._batch

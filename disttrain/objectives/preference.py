@@ -183,7 +183,7 @@ class PreferenceLoss:
         out = self.engine.output(model, batch, self._inputs(batch))
         stats = self._last.double().sum(0)  # stays on the device until a log line
         self._window = stats if self._window is None else self._window + stats
-        return self.engine.with_router_loss(out.logits / num_items_in_batch, out)  # MoE: the router loss, as SFT
+        return self.engine.with_router_loss(out.logits / num_items_in_batch, out, batch)  # MoE: the router loss, as SFT
 
     def window_metrics(self, accelerator) -> dict:
         """Means over the pairs of all ranks since the last log line (one all-reduce)."""

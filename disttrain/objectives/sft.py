@@ -22,7 +22,7 @@ class SFT:
         return with_images(Collator(tokenizer.pad_token_id, flatten_packed=flatten), tokenizer)
 
     def loss(self, model) -> TokenLoss:
-        return TokenLoss(model, self.recipe.training.loss_impl)
+        return TokenLoss(model, self.recipe.training.loss_impl, self.recipe.model.router_balance)
 
     def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
         """Nothing: SFT needs no reference."""

@@ -34,6 +34,7 @@ from disttrain.data.vision import row_images
 from disttrain.data.collation import shifted as shift
 from disttrain.model.family import Family, configs_of
 from disttrain.objectives import fused_head
+from disttrain.objectives.router_balance import GlobalRouterBalance
 
 CHUNK_LOGITS = 2**24  # logits per chunk: 16 M values = 64 MB in fp32, whatever the vocabulary
 
@@ -307,15 +308,20 @@ class LossEngine:
     head, fused_head.py). It applies what the model family adds (logit transforms; the MoE router loss) and runs
     the start-up self-check against the model's own loss."""
 
-    def __init__(self, model, impl: str = "chunked", training_head=None):
+    def __init__(self, model, impl: str = "chunked", training_head=None, router_balance: str = "micro_batch"):
         self.impl = impl
         self.head = None
         self.checked = impl == "plain"
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", None)
         # what the model adds to the token loss: the MoE load-balancing loss (transformers' own, from the
-        # router logits the forward returns, with its attention-mask handling), weighted by its coefficient
-        self.router_aux_coef = Family.of(config).router_aux_coef if config is not None else 0.0
+        # router logits the forward returns, with its attention-mask handling), weighted by its coefficient;
+        # model.router_balance=global: over every rank's micro-batch together (router_balance.py)
+        family = Family.of(config) if config is not None else None
+        self.router_aux_coef = family.router_aux_coef if family is not None else 0.0
+        self.balance = None
+        if router_balance == "global" and self.router_aux_coef:
+            self.balance = GlobalRouterBalance(family.routing)
         self.family = FamilyTransform(base)
         if impl == "trl":
             fused_head.install(model)  # TRL applies the family's transforms and router loss itself
@@ -358,11 +364,17 @@ class LossEngine:
         finally:
             self.head._disttrain_labels, self.head._disttrain_shifted = None, False
 
-    def with_router_loss(self, loss: torch.Tensor, out) -> torch.Tensor:
+    def with_router_loss(self, loss: torch.Tensor, out, batch: dict, across_ranks: bool = True) -> torch.Tensor:
         """loss + router_aux_loss_coef x the forward's load-balancing loss (MoE with output_router_logits), per
-        micro-batch, as transformers (and TRL's DPO trainer) add it."""
-        aux = getattr(out, "aux_loss", None)
-        return loss + self.router_aux_coef * aux.to(loss.device) if self.router_aux_coef and aux is not None else loss
+        micro-batch, as transformers (and TRL's DPO trainer) add it; or, under model.router_balance=global, this
+        rank's share of the loss of every rank's micro-batch (`across_ranks` False: of this rank's rows alone)."""
+        if not self.router_aux_coef:
+            return loss
+        if self.balance is not None:
+            aux = self.balance.loss(out, batch.get("attention_mask"), across_ranks)
+        else:
+            aux = getattr(out, "aux_loss", None)
+        return loss + self.router_aux_coef * aux.to(loss.device) if aux is not None else loss
 
     def token_loss_sum(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         """sum of the micro-batch's token losses / num_items_in_batch, plus what the model adds to it."""
@@ -372,7 +384,7 @@ class LossEngine:
         if self.impl == "trl":
             return fused_head.loss(model, _token_inputs(batch), batch, num_items_in_batch)
         out = self.output(model, batch, _token_inputs(batch))
-        return self.with_router_loss(out.logits / num_items_in_batch, out)  # the summed loss of the micro-batch
+        return self.with_router_loss(out.logits / num_items_in_batch, out, batch)  # the micro-batch's summed loss
 
     @torch.no_grad()
     def check_against_model(self, accelerator, model, batch: dict) -> None:
@@ -405,6 +417,11 @@ class LossEngine:
 
             seen = (f"the {self.impl} loss is {float(ours):.5f} where this model's own loss is {float(theirs):.5f}"
                     if wrong else f"another rank found the {self.impl} loss different from this model's own loss")
+            if self.balance is not None:  # the router's loss is computed here, not by the model
+                raise DisttrainError(
+                    f"model.router_balance=global: on the first micro-batch {seen}: this family's router loss is "
+                    "not the Switch-style loss of Mixtral / Qwen-MoE that router_balance.py computes; set "
+                    "model.router_balance=micro_batch")
             raise DisttrainError(
                 f"training.loss_impl={self.impl}: on the first micro-batch {seen}: the model transforms its logits "
                 f"or adds a loss that the {self.impl} path does not apply; set training.loss_impl=plain "
@@ -415,7 +432,7 @@ class LossEngine:
         if self.impl == "trl":
             return fused_head.loss(model, _token_inputs(part), part).float()
         out = self.output(model, part, _token_inputs(part))
-        return self.with_router_loss(out.logits.sum() / targets.clamp(min=1), out)
+        return self.with_router_loss(out.logits.sum() / targets.clamp(min=1), out, part, across_ranks=False)
 
     @torch.no_grad()
     def token_losses(self, model, batch: dict, inputs: dict | None = None) -> torch.Tensor:
@@ -449,8 +466,8 @@ class TokenLoss:
 
     unit_name = "target_tokens"  # what the loss is averaged over (the loop's normalisation)
 
-    def __init__(self, model, impl: str = "chunked"):
-        self.engine = LossEngine(model, impl)
+    def __init__(self, model, impl: str = "chunked", router_balance: str = "micro_batch"):
+        self.engine = LossEngine(model, impl, router_balance=router_balance)
 
     @property
     def checked(self) -> bool:

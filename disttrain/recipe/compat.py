@@ -46,6 +46,10 @@ def check(recipe: Recipe, strategy: str, gpu: bool) -> None:
     if m.attn_implementation.startswith("flash_attention") and not gpu:
         raise DisttrainError(f"model.attn_implementation={m.attn_implementation} needs a CUDA GPU with "
                              "flash-attn installed; use sdpa")
+    if m.router_balance == "global" and (t.loss_impl != "chunked" or t.objective != "sft"):
+        raise DisttrainError(f"model.router_balance=global is built for training.objective=sft with the chunked loss "
+                             f"(training.loss_impl=chunked), not objective={t.objective}, loss_impl={t.loss_impl}: "
+                             "set model.router_balance=micro_batch (transformers' own router loss)")
     check_deepspeed_version(recipe, strategy)
 
 
@@ -116,6 +120,7 @@ def check_trackers(report_to: list[str]) -> None:
 # fails when the two disagree (a Proven cell refused here, or a Refused one let through)
 COMPILE_PROVEN = ("single", "ddp", "fsdp")
 STREAMING_PROVEN = ("single", "ddp", "fsdp", "zero3")
+ROUTER_GLOBAL_PROVEN = ("single", "ddp", "fsdp_ep")
 
 
 def check_unproven(recipe: Recipe, label: str) -> None:
@@ -128,6 +133,10 @@ def check_unproven(recipe: Recipe, label: str) -> None:
         raise DisttrainError(f"training.compile=true is unverified under {label} (proven: one process, ddp.yaml, "
                              f"fsdp.yaml; compiled == eager in tests/test_compile.py): set training.compile=false, "
                              f"use one of those, or set {ALLOW_UNVERIFIED}=1 to try it")
+    if recipe.model.router_balance == "global" and label not in ROUTER_GLOBAL_PROVEN:
+        raise DisttrainError(f"model.router_balance=global is not proven under {label} (proven: one process, "
+                             f"ddp.yaml, fsdp_ep.yaml: tests/test_expert_parallel.py): use one of those, "
+                             f"model.router_balance=micro_batch, or set {ALLOW_UNVERIFIED}=1 to try it")
     if d.streaming and label not in STREAMING_PROVEN:
         raise DisttrainError(f"data.streaming=true is not proven under {label} (proven: one process, ddp.yaml, "
                              f"fsdp.yaml, zero3.yaml): use a map-style dataset (data.streaming=false), one of those "

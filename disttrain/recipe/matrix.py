@@ -136,6 +136,8 @@ FEATURES = (
     Feature("compile", "training.compile (regional)", ("training.compile=true",)),
     Feature("grad_ckpt", "gradient checkpointing", ("model.gradient_checkpointing=true",)),
     Feature("router_loss", "MoE router loss", ("model.router_aux_loss_coef=0.01",), moe=True),
+    Feature("router_global", "MoE router loss over every rank's rows (router_balance: global)",
+            ("model.router_aux_loss_coef=0.01", "model.router_balance=global"), moe=True),
     Feature("loss_plain", "loss_impl: plain", ("training.loss_impl=plain",)),
     Feature("loss_trl", "loss_impl: trl (TRL's fused head)", ("training.loss_impl=trl",)),
     Feature("bf16", "bf16 mixed precision", ("training.mixed_precision=bf16",)),
@@ -380,6 +382,12 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_ep": Proven((f"{EP_PREFLIGHT}[qwen3-30b-a3b/full_sft_ep.yaml]",
                            f"{EP_PREFLIGHT}[mixtral-8x7b/lora_sft_ep.yaml]"),
                           "equal to DDP on the same micro-batches, as under FSDP2 + TP"),
+    },
+    "router_global": {
+        **_each(CONFIGS, lambda c: Refused("model.router_balance=global is not proven under")),
+        **_each(("single_gpu", "ddp", "fsdp_ep"), lambda c: Proven(
+            (f"{EPT}::test_the_router_balanced_over_every_ranks_rows_trains_like_one_process",),
+            "equal to one process reading the step's rows in one micro-batch, gradient norms included")),
     },
     "loss_plain": _each(CONFIGS, lambda c: _run("full")),
     "loss_trl": {

@@ -43,6 +43,10 @@ class ModelSection(_Section):
         None, ge=0.0, description="mixture of experts: train with the router's load-balancing loss at this weight "
         "(turns on the model's output_router_logits; null keeps the model config's choice, off for Qwen3-MoE and "
         "Mixtral as published); a dense model is refused in one line")
+    router_balance: Literal["micro_batch", "global"] = Field(
+        "micro_batch", description="mixture of experts: what the router's load-balancing loss balances. "
+        "micro_batch: each rank's micro-batch (transformers' own loss); global: every rank's micro-batch together "
+        "(expert counts all-reduced, as one process on all those rows: disttrain/objectives/router_balance.py)")
     freeze: list[Literal["vision", "projector", "language"]] | None = Field(
         None, description="Vision-language models: the parts left as they are (vision: the image encoder, "
         "projector: what maps its features into the language model, language: the language model and its head); "
