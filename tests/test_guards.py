@@ -68,6 +68,10 @@ def test_diverging_replicas_stop_the_run_at_the_next_check(tmp_path, tiny_model_
     proc = launch("ddp", recipe, script="tests/scripts/faulty_train.py", env={"DISTTRAIN_TEST_FAULT": "diverge"})
     assert proc.returncode != 0
     assert "error: step 4: the weights on ranks [1] differ from rank 0's" in proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    first = next(name for name, _ in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert f"first differing parameter: {first}; random generator in rank 0's state on ranks []" in proc.stderr
     # checked before the step-4 checkpoint is written: the newest one named is step 2's
     assert "newest checkpoint of this run (rank 0's weights): " in proc.stderr and "step-00000002" in proc.stderr
     assert not (out / "checkpoints" / "step-00000004").exists()

@@ -193,9 +193,13 @@ def replicated_parameters(model) -> list[torch.Tensor]:
     and ZeRO-1/2; under tensor parallelism the ones transformers leaves unsplit (plain tensors: peft's lora_A on
     column-split layers, which nothing all-reduces, so one rank's own dropout mask would make them drift); none
     under FSDP and ZeRO-3 (shards, meta tensors)."""
+    return [p for _, p in _named_replicated(model)]
+
+
+def _named_replicated(model) -> list[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
-    return [p for p in model.parameters()
+    return [(name, p) for name, p in model.named_parameters()
             if not (p.is_meta or hasattr(p, "ds_id") or isinstance(p, DTensor) or isinstance(p.data, DTensor))]
 
 
@@ -237,17 +241,36 @@ def check_initial_replicas(accelerator, model) -> None:
             f"{TROUBLESHOOTING}#loss-spread")
 
 
+def divergence_details(accelerator, model) -> str:
+    """Where replicas differ, for the error line (every rank calls it: two gathers): the first replicated parameter
+    (in the model's order) whose checksum differs on some rank, and the ranks whose random generator is in rank
+    0's state now. Ranks of one tensor-parallel group draw one stream: if they are listed, their draws agreed and
+    the arithmetic differed; if not, a draw happened on one of them only."""
+    import hashlib
+
+    named = _named_replicated(accelerator.unwrap_model(model))  # the model's own names, not DDP's module.*
+    sums = torch.stack([parameter_checksum([p], accelerator.device)[:2] for _, p in named])
+    per_rank = accelerator.gather(sums.unsqueeze(0)).reshape(-1, len(named), 2).cpu()
+    first = next((name for i, (name, _) in enumerate(named)
+                  if not all(torch.equal(per_rank[r, i], per_rank[0, i]) for r in range(per_rank.shape[0]))), "?")
+    state = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
+    digests = accelerator.gather(torch.tensor([int(state[:12], 16)], device=accelerator.device)).cpu().tolist()
+    same = [rank for rank in range(1, len(digests)) if digests[rank] == digests[0]]
+    return f"first differing parameter: {first}; random generator in rank 0's state on ranks {same}"
+
+
 def check_replicas(accelerator, model, step: int, last_checkpoint=None) -> None:
     """Replicated weights (DDP, ZeRO-1/2, the unsplit ones under TP) must stay bit-identical across ranks."""
     at("comparing parameter checksums across ranks", step)
     differing = compare_replicas(accelerator, model)
     if differing:
+        details = divergence_details(accelerator, model)
         resume = f"; newest checkpoint of this run (rank 0's weights): {last_checkpoint}" if last_checkpoint else ""
         raise ReplicaMismatch(
             f"step {step}: the weights on ranks {differing} differ from rank 0's although they are replicated "
             "copies: the ranks diverged (a rank skipped or repeated an optimizer step, a parameter that is "
-            "not synchronised, or non-deterministic code that runs on one rank only). Training further would "
-            f"waste compute{resume}. See {TROUBLESHOOTING}#replica-mismatch")
+            "not synchronised, or non-deterministic code that runs on one rank only; "
+            f"{details}). Training further would waste compute{resume}. See {TROUBLESHOOTING}#replica-mismatch")
 
 
 # ----------------------------------------------------------------------------- loss spread
