@@ -230,20 +230,101 @@ def test_a_reward_function_that_cannot_be_loaded_or_needs_a_missing_column_is_on
             _rewards(spec)
 
 
+ESTIMATOR_REWARDS = torch.tensor([[1.0, 0.5], [0.0, float("nan")], [0.0, 0.0], [1.0, 1.0],
+                                  [2.0, 0.0], [float("nan"), float("nan")], [0.5, 0.0], [3.0, -1.0],
+                                  [float("nan"), float("nan")], [1.0, 0.0], [float("nan"), float("nan")],
+                                  [float("nan"), float("nan")]])  # 3 groups of 4; the last with one scored
+ESTIMATOR_WEIGHTS = torch.tensor([1.0, 2.0])
+
+
+def trl_rloo(rewards_per_func, weights, group, normalize):
+    """TRL 1.16 RLOOTrainer's advantages (rloo_trainer.py, _generate_and_score_completions), written out per
+    completion: the weighted nansum, unscorable rows NaN, the leave-one-out mean of the group's scorable others,
+    optionally whitened with torch.nanmean and TRL's nanstd, NaN to 0."""
+    from trl.trainer.utils import nanstd as trl_nanstd
+
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    out = torch.empty_like(rewards)
+    for i in range(len(rewards)):
+        first = i - i % group
+        others = [float(rewards[j]) for j in range(first, first + group) if j != i and not torch.isnan(rewards[j])]
+        out[i] = rewards[i] - sum(others) / len(others) if others else float("nan")
+    if normalize:
+        out = (out - torch.nanmean(out)) / (trl_nanstd(out) + 1e-4)
+    return torch.nan_to_num(out, nan=0.0)
+
+
+def verl_reinforce_pp_baseline(scores, response_mask, group):
+    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage (core_algos.py) on scores already summed:
+    the score minus its prompt group's mean, broadcast to the response tokens, then masked_whiten over every
+    response token of the batch (masked mean, unbiased masked variance, rsqrt(var + 1e-8))."""
+    centred = scores.clone()
+    for i in range(len(scores)):
+        first = i - i % group
+        centred[i] = scores[i] - scores[first:first + group].mean()
+    values = centred.unsqueeze(-1) * response_mask
+    count = response_mask.sum()
+    mean = (values * response_mask).sum() / count
+    variance = (((values - mean) ** 2) * response_mask).sum() / count * count / (count - 1)
+    return (values - mean) * torch.rsqrt(variance + 1e-8) * response_mask
+
+
+@pytest.mark.parametrize("scale", ["none", "batch"])
+def test_rloo_advantages_are_trls(scale):
+    """rl.advantage=rloo: the leave-one-out baseline over the group's scored others (a group with one scored
+    completion gives it 0), scale_rewards none (TRL's default) or batch (TRL's normalize_advantages); the batch
+    statistics from all completions, as the step's gather hands them over."""
+    from disttrain.objectives.rewards import baselined, step_statistics, weighted_sum
+
+    summed = weighted_sum(ESTIMATOR_REWARDS, ESTIMATOR_WEIGHTS)
+    stats = step_statistics("rloo", scale, baselined(summed, 4, "rloo"), torch.ones(12))
+    ours = advantages(ESTIMATOR_REWARDS, ESTIMATOR_WEIGHTS, 4, "rloo", scale, stats)[0]
+    torch.testing.assert_close(ours, trl_rloo(ESTIMATOR_REWARDS, ESTIMATOR_WEIGHTS, 4, scale == "batch"))
+    assert ours[8:].tolist() == [0.0] * 4 and float(ours[5]) == 0.0  # one scored in its group; unscored
+    assert bool((ours[[0, 1, 2, 3, 4, 6, 7]] != 0).all())
+
+
+def test_reinforce_pp_advantages_are_verls_whitened_over_the_tokens_trained_on():
+    """rl.advantage=reinforce_pp (scale batch, its default): per token equal to verl's REINFORCE++-baseline on the
+    same scores and response mask (completions of different lengths weigh by their tokens); the step split over
+    two ranks gives the statistics of the whole (gathered, as the rollout gathers them)."""
+    from disttrain.objectives.rewards import baselined, step_statistics, weighted_sum
+
+    rewards = ESTIMATOR_REWARDS[:8].nan_to_num(0.0)  # verl scores every completion
+    lengths = torch.tensor([3, 1, 5, 2, 4, 4, 1, 2])
+    mask = (torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    summed = weighted_sum(rewards, ESTIMATOR_WEIGHTS)
+    stats = step_statistics("reinforce_pp", "batch", baselined(summed, 4, "reinforce_pp"), lengths.float())
+    ours = advantages(rewards, ESTIMATOR_WEIGHTS, 4, "reinforce_pp", "batch", stats)[0]
+    torch.testing.assert_close(ours.unsqueeze(-1) * mask, verl_reinforce_pp_baseline(summed, mask, 4))
+    halves = [step_statistics("reinforce_pp", "batch", baselined(summed[h], 4, "reinforce_pp"), lengths[h].float())
+              for h in (slice(0, 4), slice(4, 8))]
+    assert not torch.allclose(halves[0][0], stats[0])  # one rank's statistics alone would be another scale
+
+
+def test_an_estimator_with_grpos_group_scale_is_one_line():
+    with pytest.raises(ValueError, match="scale_rewards=group divides by each group's std"):
+        RLSection(advantage="rloo", scale_rewards="group", rewards=[{"function": "m:f"}])
+    assert RLSection(advantage="reinforce_pp", rewards=[{"function": "m:f"}]).reward_scale == "batch"
+    assert RLSection(advantage="rloo", rewards=[{"function": "m:f"}]).reward_scale == "none"
+    assert RLSection(rewards=[{"function": "m:f"}]).reward_scale == "group"
+
+
 def test_advantages_are_trls():
     from trl.trainer.utils import nanstd as trl_nanstd
 
     rewards = torch.tensor([[1.0, 0.5], [0.0, float("nan")], [0.0, 0.0], [1.0, 1.0],  # group 1
                             [2.0, 0.0], [2.0, 0.0], [2.0, 0.0], [float("nan"), float("nan")]])  # group 2: equal
     weights = torch.tensor([1.0, 2.0])
-    group = advantages(rewards, weights, 4, "group")[0]
+    group = advantages(rewards, weights, 4, "grpo", "group")[0]
     summed = torch.tensor([2.0, 0.0, 0.0, 3.0])
     torch.testing.assert_close(group[:4], (summed - summed.mean()) / (summed.std() + 1e-4))
     assert group[4:].tolist() == [0.0] * 4  # no spread: no signal; the unscored completion gets 0
     std = torch.tensor(1.7)
-    torch.testing.assert_close(advantages(rewards, weights, 4, "batch", std)[0][:4],
+    torch.testing.assert_close(advantages(rewards, weights, 4, "grpo", "batch", (torch.zeros(()), std + 1e-4))[0][:4],
                                (summed - summed.mean()) / (std + 1e-4))
-    torch.testing.assert_close(advantages(rewards, weights, 4, "none")[0][:4], summed - summed.mean())
+    torch.testing.assert_close(advantages(rewards, weights, 4, "grpo", "none")[0][:4], summed - summed.mean())
     values = torch.tensor([[1.0, float("nan"), 3.0, 4.0], [2.0, 2.0, 5.0, float("nan")]])
     torch.testing.assert_close(nanstd(values, dim=1), trl_nanstd(values, dim=1))
 

@@ -28,7 +28,8 @@ from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
 from disttrain.objectives import rollout, sampling, vllm_engine
 from disttrain.objectives.policy_loss import UNITS, clip_units, entropy_bonus, policy_loss, units
-from disttrain.objectives.rewards import Rewards, advantages, nanstd, reward_names, weighted_sum
+from disttrain.objectives.rewards import (Rewards, advantages, baselined, nanstd, reward_names, step_statistics,
+                                          weighted_sum)
 from disttrain.objectives.rl_metrics import RolloutWindow
 from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS,
                                           SAMPLED_KEY)
@@ -159,17 +160,18 @@ class Rollouts:
         scored = [self._score(p, c, batch, progress) for p, c in zip(prompt_batches, sampled)]
         _lap(clock, 2)
         resampled = self._resample_flat_groups(run, prompt_batches, batch, progress, sampled, scored, clock)
-        summed = torch.cat([s[1] for s in scored])
-        batch_std = _batch_std(accelerator, summed, run.plan) if rl.scale_rewards == "batch" else None
-        micro_batches = []
-        for m, (prompts, completions, (table, _, _)) in enumerate(zip(prompt_batches, sampled, scored)):
+        all_rows = []
+        for m, (prompts, completions) in enumerate(zip(prompt_batches, sampled)):
             flat = [c for g in completions for c in g]
             prompt_of = [ids for ids in prompts["prompt_ids"] for _ in range(group)]
             logps = [lp for k in range(len(completions)) for lp in self.engine_logps[m, k]] if self.engine else None
-            rows = rollout.training_rows(prompt_of, flat, tokenizer.pad_token_id, rl.mask_truncated_completions,
-                                         accelerator.device, logps)
-            rows[ADVANTAGES_KEY], rewards = advantages(table, self.objective.rewards.weights, group,
-                                                       rl.scale_rewards, batch_std)
+            all_rows.append((flat, rollout.training_rows(prompt_of, flat, tokenizer.pad_token_id,
+                                                         rl.mask_truncated_completions, accelerator.device, logps)))
+        statistics = self._step_statistics(run, scored, [rows for _, rows in all_rows])
+        micro_batches = []
+        for (flat, rows), (table, _, _) in zip(all_rows, scored):
+            rows[ADVANTAGES_KEY], rewards = advantages(table, self.objective.rewards.weights, group, rl.advantage,
+                                                       rl.reward_scale, statistics)
             rows[ADVANTAGES_KEY] = rows[ADVANTAGES_KEY].to(accelerator.device)
             loss.before_training(model, rows, self.iterations > 1 or self.engine is not None)
             loss.window.add_rollout(table, rewards, flat, group)
@@ -177,6 +179,17 @@ class Rollouts:
         loss.window.add_times(clock[1], clock[2], resampled)
         loss.window.keep_samples(tokenizer, prompt_batches[0], sampled[0], scored[0][1], scored[0][2])
         return micro_batches
+
+    def _step_statistics(self, run, scored: list, rows: list[dict]):
+        """rl.scale_rewards=batch: the statistics of the step's completions on every data rank (rewards.py)."""
+        rl, group = self.rl, self.rl.num_generations
+        if rl.reward_scale != "batch":
+            return None
+        summed = torch.cat([s[1] for s in scored])
+        values = summed if rl.advantage == "grpo" else baselined(summed, group, rl.advantage)
+        tokens = torch.cat([r[MASK_KEY].sum(-1).cpu() for r in rows])
+        both = _on_data_ranks(run.accelerator, torch.stack([values, tokens], dim=1), run.plan).view(-1, 2)
+        return step_statistics(rl.advantage, "batch", both[:, 0], both[:, 1])
 
     def _sample(self, run, prompt_batches: list[dict], batch: int, groups: list[tuple[int, int, int]],
                 step: int) -> dict:
@@ -284,13 +297,11 @@ def _zero_std(rewards: torch.Tensor) -> bool:
     return bool(torch.isclose(nanstd(rewards.double()), torch.zeros((), dtype=torch.float64)))
 
 
-def _batch_std(accelerator, summed: torch.Tensor, plan) -> torch.Tensor:
-    """The std of the step's summed rewards on every data rank (processes sharing a batch counted once)."""
-
-    gathered = accelerator.gather(summed.to(accelerator.device)).cpu()
+def _on_data_ranks(accelerator, values: torch.Tensor, plan) -> torch.Tensor:
+    """`values` of every data rank, concatenated (processes sharing a batch counted once)."""
+    gathered = accelerator.gather(values.to(accelerator.device)).cpu()
     group = plan.group if plan is not None else 1
-    per_process = gathered.view(accelerator.num_processes, -1)[::group]
-    return nanstd(per_process.reshape(-1))
+    return gathered.view(accelerator.num_processes, -1)[::group].reshape(-1)
 
 
 class GRPOLoss:

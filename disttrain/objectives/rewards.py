@@ -7,7 +7,11 @@ prompt's completions are `[{"role": "assistant", "content": text}]`, a plain pro
 Advantages as TRL computes them (sum_then_normalize): the weighted sum of the functions' rewards (None as NaN,
 left out of the sums), minus its group's mean (the prompt's num_generations completions), divided by the
 group's std (scale_rewards: group), by the std of every reward of the step on all ranks (batch) or not at all
-(none), plus 1e-4. A completion no function scored gets advantage 0.
+(none), plus 1e-4. A completion no function scored gets advantage 0. rl.advantage picks another estimator:
+rloo (the mean of the group's other completions as the baseline, optionally whitened over the step: TRL's
+RLOOTrainer) or reinforce_pp (REINFORCE++-baseline: the group's mean as the baseline, then whitened over every
+completion token of the step: verl's reinforce_plus_plus_baseline). The step's statistics come from every data
+rank (step_statistics), so any split of the step equals one process.
 
 What a reward function does wrong is one line naming it and the completion: an exception (the function is
 called again on that completion alone to find it), a count other than one per completion, a value that is not
@@ -261,20 +265,52 @@ class RewardModel:
         return self.model(**inputs).logits[:, 0].float().tolist()
 
 
-def advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str,
-               batch_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, summed rewards) of [completions, functions] rewards, completions grouped by prompt in
-    consecutive runs of `group`; `batch_std`: the std of the step's summed rewards on all ranks (scale: batch)."""
-    summed = weighted_sum(rewards, weights)
+def baselined(summed: torch.Tensor, group: int, estimator: str) -> torch.Tensor:
+    """Each completion's summed reward minus its baseline, completions grouped by prompt in consecutive runs of
+    `group`: the group's mean (grpo, reinforce_pp), or the mean of the group's other scored completions (rloo, as
+    TRL's RLOOTrainer: NaN where it has none). NaN where the completion was not scored."""
     grouped = summed.view(-1, group)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
-    if scale == "batch":
-        std = batch_std.expand_as(summed)
-    else:
-        std = nanstd(grouped, dim=1).repeat_interleave(group)
-    result = summed - mean
-    if scale != "none":
-        result = result / (std + 1e-4)
+    if estimator == "rloo":
+        others = (~torch.isnan(grouped)).sum(dim=1, keepdim=True) - 1
+        baseline = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / others  # 0/0: NaN, advantage 0
+        return (grouped - baseline).view(-1)
+    return summed - torch.nanmean(grouped, dim=1).repeat_interleave(group)
+
+
+def step_statistics(estimator: str, scale: str, values: torch.Tensor,
+                    tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a `batch` scale needs from every data rank's completions of the step (`values`: their summed rewards
+    for grpo, else their baselined rewards; `tokens`: each one's completion tokens trained on), as (shift, scale):
+    grpo divides by the rewards' std (TRL's scale_rewards=batch); rloo whitens the advantages (TRL's
+    normalize_advantages: nanmean, nanstd); reinforce_pp whitens them over tokens (verl's masked_whiten: the mean
+    and unbiased variance of every completion token, each token carrying its completion's value). None: no
+    batch scale."""
+    if scale != "batch":
+        return None
+    if estimator == "grpo":
+        return torch.zeros(()), nanstd(values) + 1e-4
+    if estimator == "rloo":
+        return torch.nanmean(values), nanstd(values) + 1e-4
+    scored = ~torch.isnan(values)
+    weight, value = tokens[scored].double(), values[scored].double()
+    count = weight.sum()
+    mean = (weight * value).sum() / count
+    variance = (weight * (value - mean) ** 2).sum() / count * count / (count - 1)  # unbiased over tokens
+    return mean.float(), torch.sqrt(variance + 1e-8).float()
+
+
+def advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, estimator: str, scale: str,
+               statistics: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, summed rewards) of [completions, functions] rewards, completions grouped by prompt in
+    consecutive runs of `group`; `statistics`: step_statistics of the step on all ranks (scale: batch). A
+    completion with no baseline or no score gets advantage 0."""
+    summed = weighted_sum(rewards, weights)
+    result = baselined(summed, group, estimator)
+    if scale == "group":  # grpo's own
+        result = result / (nanstd(summed.view(-1, group), dim=1).repeat_interleave(group) + 1e-4)
+    elif scale == "batch":
+        shift, spread = statistics
+        result = (result - shift) / spread
     return torch.nan_to_num(result, nan=0.0), summed
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("micro_batch", "global")
-
 
 def switch_terms(router_logits: tuple[torch.Tensor, ...], experts: int, top_k: int,
                  attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

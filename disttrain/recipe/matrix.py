@@ -192,7 +192,8 @@ PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_of
 # with one process running the same variant.
 RL_VARIANT = {
     "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
-    "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0"),  # KL to the adapters-off reference
+    # KL to the adapters-off reference; RLOO's leave-one-out baseline
+    "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0", "rl.advantage=rloo"),
     "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
     # the rollouts' per-layer gathers (a model too large to gather whole), with a sampling filter each; under
     # FSDP2 also DAPO's resampling in several generate calls (ranks redrawing different numbers of groups agree
@@ -201,8 +202,9 @@ RL_VARIANT = {
                      "rl.top_k=20", "rl.dynamic_sampling=2", "rl.rows_per_generate=3",
                      "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
                      "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
-    # DAPO's resampling, on a coarse reward whose groups often score alike (answer_words logged, weighed 0)
-    "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true", "rl.dynamic_sampling=2",
+    # DAPO's resampling, on a coarse reward whose groups often score alike (answer_words logged, weighed 0);
+    # REINFORCE++-baseline's whitening over the tokens trained on (truncated completions left out) of 4 processes
+    "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true", "rl.dynamic_sampling=2", "rl.advantage=reinforce_pp",
              "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
              "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
     "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05", "rl.repetition_penalty=1.3"),

@@ -336,9 +336,16 @@ class RLSection(_Section):
     reference: Literal["auto", "model", "adapters"] = Field(
         "auto", description="With beta > 0: auto -> LoRA: the base model with the adapters disabled; full "
         "fine-tuning: a frozen copy of the initial weights, sharded like the policy (model)")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantages: (reward - its group's mean) divided by the group's std (group), the "
-        "std of the step's rewards on all ranks (batch) or not divided (none, Dr. GRPO)")
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="The advantage estimator: grpo (reward - its group's mean, scaled by scale_rewards), "
+        "rloo (reward - the mean of its group's other completions, as TRL's RLOOTrainer), reinforce_pp "
+        "(REINFORCE++-baseline: reward - its group's mean, whitened over every completion token of the step, as "
+        "verl's reinforce_plus_plus_baseline)")
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, description="grpo: divided by the group's std (group, its default), the std of the step's rewards "
+        "on all ranks (batch) or not at all (none, Dr. GRPO); rloo: batch whitens the step's advantages (TRL's "
+        "normalize_advantages), none (its default) leaves them; reinforce_pp: batch (its default) whitens over "
+        "the step's completion tokens, none leaves them")
     mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length (no EOS) "
                                              "are left out of the loss")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: minus this x the mean entropy of the "
@@ -352,6 +359,19 @@ class RLSection(_Section):
                                   "its default is false)")
     rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions and their "
                                          "weights: [{function: module:function, weight: 1.0}, ...]")
+
+    @model_validator(mode="after")
+    def _scale_of_the_estimator(self):
+        if self.advantage != "grpo" and self.scale_rewards == "group":
+            raise ValueError(f"scale_rewards=group divides by each group's std, GRPO's scaling; with advantage="
+                             f"{self.advantage} use batch or none")
+        return self
+
+    @property
+    def reward_scale(self) -> str:
+        """scale_rewards, or the estimator's own default when the recipe leaves it out."""
+        default = {"grpo": "group", "rloo": "none", "reinforce_pp": "batch"}[self.advantage]
+        return self.scale_rewards or default
 
 
 class LoraSection(_Section):
