@@ -88,6 +88,28 @@ def test_the_global_router_balance_is_transformers_loss_and_two_ranks_average_to
             torch.testing.assert_close((a + b) / 2, want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_the_global_router_balance_is_the_other_families_own_loss_on_one_process(family):
+    """The same computation equals Mixtral's and Qwen2-MoE's own router loss (their load_balancing_loss_func,
+    padding masked), each a tiny random model of the family's real configuration class."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from disttrain.objectives.router_balance import GlobalRouterBalance
+
+    shape = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, output_router_logits=True, router_aux_loss_coef=1.0)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **shape))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=32, **shape))
+    b = batch()
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    ours = GlobalRouterBalance((4, 2)).loss(out, b["attention_mask"], across_ranks=False)
+    torch.testing.assert_close(ours, out.aux_loss.float(), rtol=1e-5, atol=1e-7)
+
+
 def test_a_dense_model_with_a_router_coefficient_is_one_line(tiny_model_dir):
     with pytest.raises(DisttrainError, match=r"model.router_aux_loss_coef: .* is not a mixture of experts"):
         load_model(ModelSection(name_or_path=str(tiny_model_dir), dtype="float32", router_aux_loss_coef=0.01), None)

@@ -45,7 +45,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
                               accelerate_configs/fsdp_ep.yaml on 2 GPUs (4 experts whole on each, tokens sent by
                               all-to-all on NCCL) and under fsdp.yaml: finite losses, the first loss equal (1e-2),
                               tokens/s of both; expected EP / FSDP2 0.7-1.3 for this small model, stated before
-                              any run (recorded, not failed, outside it); SKIP below 2 GPUs
+                              any run (recorded, not failed, outside it); EP again with model.router_balance
+                              global (its all-reduce on NCCL): the same first loss; SKIP below 2 GPUs
     packing_{sdpa,flash_attention_2}
                               scripts/gpu/packing_isolation.py says packed examples are isolated, and train.py's
                               eval loss of the initial weights is the same packed and unpacked (rel 1e-2 in
@@ -84,7 +85,7 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
     lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, grpo_engines 120 (a 0.75B
     model, two launches, one compiling), reward_model 20, vlm_fsdp 25,
     vlm_zero3 35, moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  635 s
-    (moe_ep2 40, grpo_gather_fsdp2 / _zero3 and the other multi-GPU items SKIP on the one lent GPU: ~2 s each)
+    (moe_ep2 55, grpo_gather_fsdp2 / _zero3 and the other multi-GPU items SKIP on the one lent GPU: ~2 s each)
     in all; 3 side by side: ~210-235 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 80 (8 launches)  ~200 s
     total ~8 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
@@ -173,7 +174,7 @@ ITEMS = [
     Item("vlm_zero3", partial(vision_language, config="zero3"), 35, 150, True),
     Item("eval_during_training", eval_during_training, 30, 120, True),
     Item("moe_lora", moe_lora, 25, 90, True),
-    Item("moe_ep2", moe_expert_parallel, 40, 150, False),  # SKIP below 2 GPUs
+    Item("moe_ep2", moe_expert_parallel, 55, 200, False),  # SKIP below 2 GPUs
     Item("packing_sdpa", partial(packing, attn="sdpa"), 35, 90, True),
     Item("packing_flash_attention_2", partial(packing, attn="flash_attention_2"), 35, 90, False),
     Item("fsdp_sync_memory", fsdp_sync_memory, 30, 90, False, alone=True),

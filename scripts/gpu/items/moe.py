@@ -58,30 +58,37 @@ def moe_expert_parallel(ctx: Ctx, nproc: int = 2) -> tuple[str, str]:
     """The small Qwen3-MoE, full fine-tuning in bf16 with the router loss, under fsdp_ep.yaml (EP = nproc: each
     GPU holds 8 / nproc experts whole, the tokens go to them by all-to-all on NCCL, transformers' grouped_mm on the
     local experts) and under fsdp.yaml, the same rows: finite losses, the first step's loss equal (rel 1e-2: bf16,
-    the routing the same), tokens/s of both recorded. Expected before it is measured (EP_EXPECTED): EP / FSDP2
-    tokens/s within 0.7-1.3 here -- this model's experts are ~50 MB in bf16, so FSDP2's gathers cost little and
-    EP's per-layer host sync of the split sizes is of the same order; EP's gain grows with the expert weights
-    (docs/expert_parallel.md). Outside that range is recorded, not failed. SKIP below nproc GPUs."""
+    the routing the same), tokens/s of both recorded; and EP with the router balanced over both GPUs' rows
+    (model.router_balance: global, an all-reduce in the loss): finite, the same first loss. Expected before it
+    is measured (EP_EXPECTED): EP / FSDP2 tokens/s within 0.7-1.3 here -- this model's experts are ~50 MB in
+    bf16, so FSDP2's gathers cost little and EP's per-layer host sync of the split sizes is of the same order;
+    EP's gain grows with the expert weights (docs/expert_parallel.md). Outside that range is recorded, not
+    failed. SKIP below nproc GPUs."""
     from harness import require_gpus
 
     require_gpus(nproc, "fsdp_ep")
     model = build_moe(ctx)
     found, speed = {}, {}
-    for config in ("fsdp", "fsdp_ep"):
-        run = ctx.item_dir / config
-        tree = recipe(ctx, run, model={"name_or_path": str(model), "router_aux_loss_coef": 0.01},
-                      training={"lr": 1e-4})
+    # the third run balances the router over both GPUs' rows (model.router_balance: global): its all-reduce of the
+    # expert counts inside the loss, on NCCL
+    for name, config, balance in (("fsdp", "fsdp", "micro_batch"), ("fsdp_ep", "fsdp_ep", "micro_batch"),
+                                  ("fsdp_ep_global", "fsdp_ep", "global")):
+        run = ctx.item_dir / name
+        tree = recipe(ctx, run, model={"name_or_path": str(model), "router_aux_loss_coef": 0.01,
+                                       "router_balance": balance}, training={"lr": 1e-4})
         # fsdp_ep.yaml's dp_shard_size is 2, and without PARALLELISM_CONFIG_EP_SIZE the experts spread over both
-        _, log = train(ctx, config, config, tree, nproc=nproc)
-        found[config] = require_finite_losses(run, ctx.s.steps, log)
+        _, log = train(ctx, name, config, tree, nproc=nproc)
+        found[name] = require_finite_losses(run, ctx.s.steps, log)
         rates = [r["tokens_per_s"] for r in read_metrics(run) if "tokens_per_s" in r][1:]
-        speed[config] = sum(rates) / max(1, len(rates))
+        speed[name] = sum(rates) / max(1, len(rates))
     first = {c: f[1] for c, f in found.items()}
-    if abs(first["fsdp_ep"] - first["fsdp"]) > 1e-2 * abs(first["fsdp"]):
-        raise Fail(f"the first step's loss differs: EP {first['fsdp_ep']:.4f}, FSDP2 {first['fsdp']:.4f}")
+    for name in ("fsdp_ep", "fsdp_ep_global"):  # the router terms differ by a fraction of 0.01 x its loss
+        if abs(first[name] - first["fsdp"]) > 1e-2 * abs(first["fsdp"]):
+            raise Fail(f"the first step's loss differs: {name} {first[name]:.4f}, FSDP2 {first['fsdp']:.4f}")
     ratio = speed["fsdp_ep"] / speed["fsdp"] if speed["fsdp"] else float("nan")
     ctx.figures.update(tokens_per_s_fsdp=speed["fsdp"], tokens_per_s_fsdp_ep=speed["fsdp_ep"], ep_over_fsdp=ratio,
                        expected=list(EP_EXPECTED))
     inside = EP_EXPECTED[0] <= ratio <= EP_EXPECTED[1]
     return PASS, (f"EP {nproc}: {speed['fsdp_ep']:.0f} tokens/s vs FSDP2 {speed['fsdp']:.0f} (ratio {ratio:.2f}, "
-                  f"expected {EP_EXPECTED[0]}-{EP_EXPECTED[1]}{'' if inside else ': OUTSIDE'}); first loss equal")
+                  f"expected {EP_EXPECTED[0]}-{EP_EXPECTED[1]}{'' if inside else ': OUTSIDE'}); first loss equal, "
+                  "with the router balanced over both GPUs too")
