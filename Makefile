@@ -41,6 +41,7 @@ RUN         ?=
 TASKS       ?= disttrain_tiny_choice
 PYTEST_ARGS ?=
 TINY_MODEL  := artifacts/tiny-llama
+TINY_STUDENT := artifacts/tiny-student
 TINY_VLM    := artifacts/tiny-gemma3-vl
 
 RDZV_TIMEOUT ?= 600
@@ -159,10 +160,13 @@ $(INSTALLED): pyproject.toml
 		> $(VENV)/install-args.mk
 	echo '$(INSTALL_ARGS)' > $@
 
-tiny: setup $(TINY_MODEL)/config.json $(TINY_VLM)/config.json ## build the tiny local models (text; vision-language: recipes/tiny/vlm_sft.yaml)
+tiny: setup $(TINY_MODEL)/config.json $(TINY_STUDENT)/config.json $(TINY_VLM)/config.json ## build the tiny local models (text; distillation's student; vision-language: recipes/tiny/vlm_sft.yaml)
 
 $(TINY_MODEL)/config.json:
 	$(PY) -m disttrain.tools.tiny model --out $(TINY_MODEL)
+
+$(TINY_STUDENT)/config.json:
+	$(PY) -m disttrain.tools.tiny student --out $(TINY_STUDENT)
 
 $(TINY_VLM)/config.json:
 	$(PY) -m disttrain.tools.tiny vlm --out $(TINY_VLM)
@@ -247,6 +251,9 @@ bench-overhead: tiny ## train.py vs a raw PyTorch DDP loop vs HF Trainer, same d
 
 bench-memory: setup ## loss memory and step time per strategy: plain (full logits), chunked, TRL's fused head; 152k vocabulary -> bench/memory/
 	$(PY) -m disttrain.bench.memory --nproc $(GPUS) $(ARGS)
+
+bench-distill: setup ## the distillation loss's peak memory beside the SFT chunked loss's, 152k vocabulary, 4 x 1024 tokens -> bench/distill/
+	$(PY) -m disttrain.bench.distill $(ARGS)
 
 bench-experts: setup ## expert parallelism vs FSDP2 alone on a mixture of experts: states per process (vs make cost), step time, peak memory -> bench/experts/
 	$(PY) -m disttrain.bench.experts --nproc $(GPUS) --ep $(EP) $(ARGS)

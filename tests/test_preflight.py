@@ -47,6 +47,9 @@ SHIPPED = {
     "qwen2.5-7b/grpo_lora.yaml": "ddp",
     "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",
     "qwen3-30b-a3b/grpo_lora.yaml": "zero3",
+    # distillation: the teacher shrunk beside the student; the tiny recipe's teacher is the tiny model
+    "tiny/distill.yaml": "zero3",
+    "qwen3-1.7b/distill_from_8b.yaml": "fsdp",
 }
 MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mixtral-8x7b/"))]  # GRPO's too
 # the expert-parallel recipes: preflight under fsdp_ep and compared with DDP in tests/test_expert_parallel.py
@@ -75,6 +78,7 @@ def preflight(runs, recipe: str, tiny_model_dir):
             from disttrain.tools.tiny import build_vlm_dir
             tiny = build_vlm_dir(folder / "tiny-gemma3-vl")
         overrides = QUIET + ([f"model.name_or_path={tiny}"] if recipe.startswith("tiny/") else [])
+        overrides += [f"distill.teacher={tiny}"] if recipe == "tiny/distill.yaml" else []
         report = run(str(REPO / "recipes" / recipe), SHIPPED[recipe], nproc=None, steps=4, work_dir=folder / "pf",
                      overrides=overrides)
         return report.rows, folder / "pf"

@@ -18,6 +18,8 @@ preparation before the first update, behind one interface (base.py):
     rewards.py       reward functions (module:function, as TRL calls them), their checks, the advantages
     policy_loss.py   the GRPO-family losses on per-token log-probs (grpo, dr_grpo, dapo, bnpo, cispo; GSPO)
     reward_model.py  reward-model training: a score head, Bradley-Terry on preference pairs
+    distill.py       knowledge distillation (GKD): the teacher's distributions, on the data's, the student's or the
+                     teacher's completions; the generalised JSD a chunk of tokens at a time
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 def objective_for(recipe):
     """The recipe's training.objective as an Objective (base.py)."""
+    from disttrain.objectives.distill import Distill
     from disttrain.objectives.dpo import DPO
     from disttrain.objectives.grpo import GRPO
     from disttrain.objectives.reward_model import RewardModel
     from disttrain.objectives.sft import SFT
 
-    return {"sft": SFT, "dpo": DPO, "grpo": GRPO, "reward": RewardModel}[recipe.training.objective](recipe)
+    return {"sft": SFT, "dpo": DPO, "grpo": GRPO, "reward": RewardModel,
+            "distill": Distill}[recipe.training.objective](recipe)

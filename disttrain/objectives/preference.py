@@ -333,16 +333,27 @@ def data_fingerprint(train_set, eval_sets: dict) -> str:
 
 def live_reference(accelerator, recipe, sharded: bool, local_device):
     """preference.reference: model -- a frozen copy of the initial weights next to the policy, sharded the way
-    the policy is: FSDP2 through accelerate's own fsdp2_prepare_model, ZeRO-3 through a DeepSpeed inference
-    engine (no optimizer), otherwise whole on the device. Returns (model, scorer) for attach_reference."""
+    the policy is (frozen_model). Returns (model, scorer) for attach_reference."""
+    scorers = []  # its lm_head returns per-token losses while labels are set on it
+    model = frozen_model(accelerator, recipe, recipe.model, sharded, local_device,
+                         lambda bare: scorers.append(LossEngine(bare, "chunked")))
+    return model, scorers[0]
+
+
+def frozen_model(accelerator, recipe, spec, sharded: bool, local_device, before_wrapping=None):
+    """A frozen model of `spec` (the policy's initial weights, or a distillation teacher) in eval mode, sharded the
+    way the policy is: FSDP2 through accelerate's own fsdp2_prepare_model, ZeRO-3 through a DeepSpeed inference
+    engine (no optimizer), otherwise whole on the device. `before_wrapping(model)`: called on the loaded model
+    before it is sharded (to install a head's forward)."""
     from accelerate.utils import DistributedType
 
     from disttrain.model.loading import load_model
 
-    spec = recipe.model.model_copy(update={"gradient_checkpointing": False})  # no backward through it
+    spec = spec.model_copy(update={"gradient_checkpointing": False})  # no backward through it
     model = load_model(spec, None, sharded=sharded, local_device=local_device)
     model.requires_grad_(False)
-    scorer = LossEngine(model, "chunked")  # its lm_head returns per-token losses while labels are set on it
+    if before_wrapping is not None:
+        before_wrapping(model)
     if accelerator.distributed_type == DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -365,7 +376,7 @@ def live_reference(accelerator, recipe, sharded: bool, local_device):
     else:
         model = model.to(accelerator.device)
     model.eval()
-    return model, scorer
+    return model
 
 
 _DEEPSPEED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # training.mixed_precision -> weights

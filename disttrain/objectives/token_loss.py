@@ -308,8 +308,10 @@ class LossEngine:
     head, fused_head.py). It applies what the model family adds (logit transforms; the MoE router loss) and runs
     the start-up self-check against the model's own loss."""
 
-    def __init__(self, model, impl: str = "chunked", training_head=None, router_balance: str = "micro_batch"):
+    def __init__(self, model, impl: str = "chunked", training_head=None, router_balance: str = "micro_batch",
+                 eval_head=None):
         self.impl = impl
+        self.eval_head = eval_head  # chunked: what lm_head returns without gradients (None: per-token losses)
         self.head = None
         self.checked = impl == "plain"
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -341,6 +343,8 @@ class LossEngine:
                 return plain_forward(hidden)
             if torch.is_grad_enabled():  # training: what the objective makes of the targets (with gradients)
                 return training_head(hidden, labels)
+            if self.eval_head is not None:  # evaluation: the objective's own per-position values
+                return self.eval_head(hidden, labels, self.head._disttrain_shifted)
             return chunked_token_losses(hidden, self.head, labels, self.head._disttrain_shifted)  # evaluation
 
         # never compiled: regional compilation (accelerate) compiles lm_head whole, and Dynamo then

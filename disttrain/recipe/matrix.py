@@ -126,6 +126,8 @@ FEATURES = (
     Feature("reward_model", "reward-model training (a score head, Bradley-Terry; the variants below)",
             ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
+    Feature("distill", "distillation (GKD: a teacher's distributions, on-policy samples)",
+            ("training.objective=distill", "distill.teacher=artifacts/tiny-llama", "distill.lmbda=0.5")),
     Feature("vlm", "vision-language SFT (images; the variants below)",
             ("data.path=data/tiny_vlm_mixed.jsonl", "data.format=chat", "data.eval_path=data/tiny_vlm_eval.jsonl",
              "data.max_seq_len=64", "training.eval_every=2"), vision=True),
@@ -159,6 +161,8 @@ FTP = "tests/test_fsdp_tp.py"
 ULY = "tests/test_ulysses.py"
 CPT = "tests/test_context_parallel.py"
 PREF = "tests/test_preference_launch.py"
+DISTILL = ("tests/test_distill_launch.py::"
+           "test_on_policy_distillation_trains_like_one_process_and_learns_the_teachers_task")
 MOE_OTHER = f"{PF}::test_moe_recipes_train_like_one_process_under_the_other_strategies"
 MOE_RESUME = f"{PF}::test_moe_recipes_train_like_one_process_across_their_resume"
 COMPILE = "tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles"
@@ -349,6 +353,16 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(SEQUENCE, lambda c: Refused("training.objective=reward is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=reward " + TP_REFUSAL)),
         "fsdp_ep": Refused("training.objective=reward " + EP_REFUSAL),
+    },
+    "distill": {
+        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
+                lambda c: Refused("training.objective=distill is not proven under")),
+        "single_gpu": Proven((f"{DISTILL}[ddp]",), SINGLE_REFERENCE),
+        **_each(("ddp", "fsdp", "zero3"), lambda c: Proven((f"{DISTILL}[{c}]",), "lmbda 1: the student's samples, "
+                                                           "equal to one process until fp32 rounding parts them")),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=distill is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=distill " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=distill " + EP_REFUSAL),
     },
     "vlm": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("vision", ", ".join(VISION_VARIANT[c]) or

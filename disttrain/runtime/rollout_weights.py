@@ -178,7 +178,13 @@ def _zero3_whole(engine):
     per call (1.5x the tiny model's decode time here): torch's own is put back meanwhile."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses, ZeroParamStatus
 
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    optimizer = getattr(engine, "optimizer", None)
+    # the parameters' fetch/release hooks: the ZeRO-3 optimizer's, or an engine without one (a frozen teacher or
+    # reference: deepspeed.initialize without an optimizer) holds DeepSpeedZeRoOffload itself in its place
+    offload = getattr(optimizer, "parameter_offload", None) or (optimizer if hasattr(optimizer, "forward_hooks")
+                                                                else None)
+    if offload is not None:  # parameters a forward without a backward left gathered or in flight (an evaluation's
+        offload.empty_partition_cache()  # prefetch): released first, else the gather below skips them
     linear = torch.nn.functional.linear
     params = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     if params:

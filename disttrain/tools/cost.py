@@ -96,6 +96,11 @@ class Workload:
     rollout_rows: int = 0
     rollout_tokens: int = 0
     routing: tuple[int, int] | None = None  # mixture of experts: (experts per block, experts per token)
+    # distillation (training.objective: distill): the frozen teacher's parameters (held like a DPO reference copy,
+    # in its dtype's bytes) and its forward FLOPs per trained token
+    teacher_params: float = 0.0
+    teacher_weight_bytes: float = 2.0
+    teacher_flops_per_token: float = 0.0
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -107,16 +112,21 @@ def model_states_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
     """(GPU GB, host GB) for weights + gradients + optimizer states of one GPU."""
     gpu, host = _sharded_states_gb(w, strategy, n)
     ref_gpu, ref_host = _reference_copy_gb(w, strategy, n)
-    return gpu + _fsdp_no_sync_gb(w, strategy) + ref_gpu, host + ref_host
+    teacher_gpu, teacher_host = _frozen_copy_gb(w.teacher_weight_bytes * w.teacher_params / 1e9, strategy, n)
+    return gpu + _fsdp_no_sync_gb(w, strategy) + ref_gpu + teacher_gpu, host + ref_host + teacher_host
 
 
 def _reference_copy_gb(w: Workload, strategy: str, n: int) -> tuple[float, float]:
-    """preference.reference: model -- a frozen copy in the recipe's dtype, prepared like the policy: whole on
-    every GPU under DDP and ZeRO-1/2 (they shard no frozen weights), sharded under FSDP2 / ZeRO-3, in host
-    RAM when those offload."""
+    """preference.reference: model -- a frozen copy in the recipe's dtype, prepared like the policy."""
     if w.reference != "model":
         return 0.0, 0.0
-    weights = w.weight_bytes * w.params / 1e9
+    return _frozen_copy_gb(w.weight_bytes * w.params / 1e9, strategy, n)
+
+
+def _frozen_copy_gb(weights: float, strategy: str, n: int) -> tuple[float, float]:
+    """(GPU GB, host GB) of a frozen model of `weights` GB prepared like the policy (a reference, a teacher):
+    whole on every GPU under DDP and ZeRO-1/2 (they shard no frozen weights), sharded under FSDP2 / ZeRO-3, in
+    host RAM when those offload."""
     if strategy in ("ddp", "zero1", "zero2"):
         return weights, 0.0
     if strategy in ("fsdp", "zero3"):
@@ -173,7 +183,8 @@ def logits_bytes(w: Workload, tokens: int) -> float:
 
 
 def flops_per_token(w: Workload) -> float:
-    return _training_flops_per_token(w) + reference_flops_per_token(w) + rollout_flops_per_token(w)
+    return (_training_flops_per_token(w) + reference_flops_per_token(w) + rollout_flops_per_token(w)
+            + w.teacher_flops_per_token)
 
 
 def rollout_flops_per_token(w: Workload) -> float:
@@ -289,7 +300,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
 def _workload_from_args(args) -> tuple[Workload, str]:
     shape = None
     lora = None
-    weight_bytes, no_sync_bytes, loss_impl, reference, rollout = 2.0, 0.0, "chunked", "none", {}
+    weight_bytes, no_sync_bytes, loss_impl, reference, rollout, teacher = 2.0, 0.0, "chunked", "none", {}, {}
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
     title = ""
     if args.recipe or args.config:
@@ -311,6 +322,8 @@ def _workload_from_args(args) -> tuple[Workload, str]:
                 if not args.micro_batch:
                     micro *= 2  # a micro-batch of pairs runs chosen and rejected: twice the sequences
             rollout = _rollout(recipe, args) if recipe.training.objective == "grpo" else {}
+            if recipe.training.objective == "distill":
+                teacher = _teacher(recipe)
             if rollout:
                 reference = recipe.rl_reference()
                 seq_len, micro = args.seq_len or rollout.pop("seq_len"), args.micro_batch or rollout.pop("micro")
@@ -344,10 +357,13 @@ def _workload_from_args(args) -> tuple[Workload, str]:
         title += f", LoRA ({lora_params / 1e6:.1f}M trainable)"
     if reference != "none":
         title += f", {'GRPO' if rollout else 'DPO'} reference: {reference}"
+    if teacher:
+        teacher["teacher_flops_per_token"] += teacher.pop("lmbda") * forward_flops_per_token(shape, seq_len)
+        title += f", teacher {teacher.pop('name')} ({teacher['teacher_params'] / 1e9:.1f}B, frozen)"
     rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
                                                          "decode_tokens_per_s", "rollout_rows", "rollout_tokens")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes, loss_impl, reference, **rollout, routing=routing), title
+                    no_sync_bytes, loss_impl, reference, **rollout, routing=routing, **teacher), title
 
 
 SHARDED = ("fsdp", "fsdp_offload", "hsdp", "zero3", "zero3_offload")  # the rows whose rollouts may gather
@@ -386,6 +402,23 @@ def _rollout(recipe, args) -> dict:
             "rollout_forwards": passes / rl.num_iterations,
             "generated_share": rl.max_completion_length / seq_len / rl.num_iterations,
             "decode_tokens_per_s": args.decode_tokens_per_s}
+
+
+def _teacher(recipe) -> dict:
+    """Distillation's teacher, from its shipped config: its parameters, its bytes per weight, its forward per
+    trained token; the student's on-policy sampling (about one forward per generated token on lmbda of the steps)
+    is added by the caller, who knows the student's shape."""
+    from transformers import AutoConfig
+
+    from disttrain.metrics.flops import shape_from_config
+    from disttrain.tools.preflight import find_config_dir
+
+    d = recipe.distill
+    shape = shape_from_config(AutoConfig.from_pretrained(find_config_dir(d.teacher)))
+    dtype = d.teacher_dtype or recipe.model.dtype
+    return {"name": d.teacher, "teacher_params": shape.params,
+            "teacher_weight_bytes": 4.0 if dtype == "float32" else 2.0,
+            "teacher_flops_per_token": forward_flops_per_token(shape, recipe.data.max_seq_len), "lmbda": d.lmbda}
 
 
 def workload_from_recipe(recipe_path: str) -> tuple[Workload, str]:

@@ -258,6 +258,17 @@ def run(recipe_path: str, strategy: str, nproc: int | None, steps: int, work_dir
 
     run_dir = work_dir / "run"
     cpu, notes = cpu_overrides(recipe, model_dir, run_dir, steps)
+    if recipe.training.objective == "distill":  # the teacher shrunk the same way, with the same tiny tokenizer
+        try:
+            teacher = recipe.model_copy(update={"model": recipe.model.model_copy(
+                update={"name_or_path": recipe.distill.teacher})})
+            teacher_dir, teacher_description = build_shrunk_model(teacher, work_dir / "teacher")
+        except Exception as exc:
+            report.add("shrink", False, f"teacher: {type(exc).__name__}: {exc}")
+            return report
+        cpu += [f"distill.teacher={teacher_dir}", "distill.teacher_revision=null", "distill.teacher_dtype=null",
+                f"distill.max_completion_length={min(recipe.distill.max_completion_length, 16)}"]
+        notes.append(f"distill.teacher: {recipe.distill.teacher} -> tiny {teacher_description}")
     for note in notes:
         print(f"       note: {note}")
     base = launch_command(strategy, nproc, "train.py", "--recipe", str(recipe_path), *overrides, *cpu)

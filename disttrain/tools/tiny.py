@@ -2,6 +2,7 @@
 locally (the Hub is never contacted), so `make train` and the tests run anywhere in minutes.
 
     python -m disttrain.tools.tiny model --out artifacts/tiny-llama   # tokenizer + random-init model
+    python -m disttrain.tools.tiny student --out artifacts/tiny-student  # a smaller one, the same tokenizer
     python -m disttrain.tools.tiny vlm   --out artifacts/tiny-gemma3-vl [--family llava]   # + processor
     python -m disttrain.tools.tiny data  --out data                   # regenerates the shipped JSONL files
                                                                       # and data/tiny_vlm/'s images
@@ -393,15 +394,21 @@ def tiny_llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**settings)
 
 
-def build_model_dir(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write tokenizer + randomly initialised tiny Llama to out_dir (idempotent: same seed, same bytes)."""
+# distillation's student (recipes/tiny/distill.yaml): half the width, one layer, the tiny model's tokenizer
+STUDENT_SHAPE = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1)
+
+
+def build_model_dir(out_dir: str | Path, seed: int = 0, **shape) -> Path:
+    """Write tokenizer + randomly initialised tiny Llama to out_dir (idempotent: same seed, same bytes); `shape`:
+    config fields other than tiny_llama_config's (the student: STUDENT_SHAPE)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_tokenizer()
     config = tiny_llama_config(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+                               pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
@@ -412,14 +419,17 @@ def build_model_dir(out_dir: str | Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["model", "vlm", "data"])
-    parser.add_argument("--out", help="output directory (default: artifacts/tiny-llama, artifacts/tiny-<family>-vl "
-                        "or data)")
+    parser.add_argument("what", choices=["model", "student", "vlm", "data"])
+    parser.add_argument("--out", help="output directory (default: artifacts/tiny-llama, artifacts/tiny-student, "
+                        "artifacts/tiny-<family>-vl or data)")
     parser.add_argument("--family", choices=VLM_FAMILIES, default="gemma3", help="vlm: the family's structure")
     args = parser.parse_args(argv)
     if args.what == "model":
         path = build_model_dir(args.out or "artifacts/tiny-llama")
         print(f"tiny model + tokenizer written to {path}")
+    elif args.what == "student":
+        path = build_model_dir(args.out or "artifacts/tiny-student", seed=1, **STUDENT_SHAPE)
+        print(f"tiny student (distillation) + tokenizer written to {path}")
     elif args.what == "vlm":
         path = build_vlm_dir(args.out or f"artifacts/tiny-{args.family}-vl", args.family)
         print(f"tiny vision-language model + processor written to {path}")
