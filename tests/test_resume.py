@@ -4,6 +4,7 @@ mid-write, corrupt checkpoints, another world size. Exact resume per strategy fr
 in test_strategies.py; the uninterrupted runs come from the strategy matrix (tests/strategy_runs.py)."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -203,7 +204,9 @@ def test_elastic_restart_after_a_killed_rank_resumes_and_ends_like_an_uninterrup
     finally:
         kill_launch(job)
     out = log_path.read_text()
-    assert "failed (exitcode: -9)" in out and "resumed from" in out, out[-4000:]
+    # torchrun names the first worker it finds failed: the killed rank (-9), or rank 0 leaving on the lost peer
+    # with its one line (guards.CollectiveFailure's exit code 3) when it gets there first
+    assert re.search(r"failed \(exitcode: (-9|3)\)", out) and "resumed from" in out, out[-4000:]
     assert "shared rendezvous store" not in out  # MAX_RESTARTS set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     # metrics continue across the restart without gap or duplicate, to the uninterrupted run's end
     assert_same_run(long_uninterrupted, tmp_path / "b", False, steps=LONG_STEPS)
