@@ -42,7 +42,8 @@ from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
 from disttrain.objectives import rollout, sampling
 from disttrain.objectives.token_loss import (CHUNK_LOGITS, FamilyTransform, LossEngine, LogitTransform, _compute_dtype,
-                                             _logits, _per_row_sums, _stored, _scaled, _whole, output_projection)
+                                             _logits, _per_row_sums, _whole, output_projection,
+                                             save_head_grads, scaled_head_grads)
 from disttrain.runtime.rollout_weights import RolloutWeights
 
 SOURCE_KEY = "distill_source"  # [rows]: where each row's completion came from (SOURCES' index)
@@ -133,16 +134,12 @@ class _ChunkedDivergenceSum(torch.autograd.Function):
                 grad_weight[:vocab] += grad.t().to(compute_dtype).matmul(hidden[chunk].to(compute_dtype)).float()
             if want_bias:
                 grad_bias[:vocab] += grad.sum(0)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.save_for_backward(grad_hidden, _stored(grad_weight, weight.dtype) if want_weight else None,
-                              _stored(grad_bias, bias.dtype) if want_bias else None)
+        save_head_grads(ctx, hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads = tuple(_scaled(g, grad_total, dtype) if g is not None else None
-                      for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return (*grads, *(None,) * 10)
+        return (*scaled_head_grads(ctx, grad_total), *(None,) * 10)
 
 
 def divergence_sum(hidden: torch.Tensor, head: torch.nn.Linear, teacher_hidden: torch.Tensor, teacher_head: tuple,

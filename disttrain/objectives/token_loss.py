@@ -198,18 +198,27 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 grad_weight += grad_logits.t().to(compute_dtype).matmul(hidden[chunk].to(compute_dtype)).float()
             if want_bias:
                 grad_bias += grad_logits.sum(0)
-        # the weight's gradient is a sum over every target token, not yet scaled by 1/tokens (nor by a loss
-        # scale): kept in fp32 where the parameter is fp16 (frequent tokens would overflow its range)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.save_for_backward(grad_hidden, _stored(grad_weight, weight.dtype) if want_weight else None,
-                              _stored(grad_bias, bias.dtype) if want_bias else None)
+        save_head_grads(ctx, hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads = tuple(_scaled(g, grad_total, dtype) if g is not None else None
-                      for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return (*grads, None, None, None, None, None)
+        return (*scaled_head_grads(ctx, grad_total), None, None, None, None, None)
+
+
+def save_head_grads(ctx, hidden, weight, bias, grad_hidden, grad_weight, grad_bias) -> None:
+    """Saves the gradients a chunked head Function made in its forward (None: not wanted). The weight's is a sum
+    over every target token, not yet scaled by 1/tokens (nor by a loss scale): kept in fp32 where the parameter is
+    fp16 (frequent tokens would overflow its range)."""
+    ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    ctx.save_for_backward(grad_hidden, _stored(grad_weight, weight.dtype) if grad_weight is not None else None,
+                          _stored(grad_bias, bias.dtype) if grad_bias is not None else None)
+
+
+def scaled_head_grads(ctx, grad_total: torch.Tensor) -> tuple:
+    """(hidden, weight, bias) gradients saved by save_head_grads, times the incoming gradient of the sum."""
+    return tuple(_scaled(g, grad_total, dtype) if g is not None else None
+                 for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
 
 
 def _stored(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
