@@ -150,3 +150,48 @@ def test_the_on_policy_steps_are_a_lmbda_share_drawn_from_the_seed(tmp_path, tin
     assert sources == [distill.Distill(recipe).source(step) for step in range(2000)]  # no process state
     assert sources.count("student") / 2000 == pytest.approx(lmbda, abs=0.03)
     assert set(sources) - {"student"} <= {"teacher"}  # seq_kd: the other steps sample from the teacher
+
+
+# ---- through the objective's own pieces, on models of the families users bring ----
+
+@pytest.mark.parametrize("teacher_family, student_family", [("gemma2", "granite"), ("granite", "cohere"),
+                                                            ("qwen3_moe", "gemma2"), ("llama", "qwen2")])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_the_objectives_loss_equals_trls_on_the_models_own_logits_across_families(teacher_family, student_family,
+                                                                                   beta, monkeypatch):
+    """The teacher's head returning its hidden states, the student's chunked head, each family's own logit
+    transform (Gemma 2's softcapping, Granite's and Cohere's scaling) applied by the divergence: the loss and the
+    student's gradients equal TRL's generalized_jsd_loss on the logits each model's own forward returns."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    from test_loss_families import batches, tiny
+
+    monkeypatch.setattr(distill, "CHUNK_LOGITS", 6 * 128 * 5)  # 5 tokens a chunk
+    teacher_model, student = tiny(teacher_family).eval(), tiny(student_family)
+    with torch.no_grad():  # another teacher than the student's initialisation
+        teacher_model.get_output_embeddings().weight.mul_(0.5)
+    reference = copy.deepcopy(student)
+    batch = batches()["unpacked"]
+    cfg = SimpleNamespace(beta=beta, loss_temperature=1.0)
+    teacher = distill.Teacher.__new__(distill.Teacher)
+    teacher._temperature, teacher._capturing, teacher._hidden = 1.0, False, None
+    teacher.accelerator, teacher.model = SimpleNamespace(autocast=contextlib.nullcontext), teacher_model
+    teacher._install(teacher_model)
+    loss = distill.DistillLoss(student, cfg)
+    loss.attach_teacher(teacher, 128)
+    tokens = (batch["labels"][:, 1:] != -100).sum()
+    ours = loss.training_loss(student, {**batch, distill.SOURCE_KEY: torch.zeros(4, dtype=torch.long)}, tokens)
+    ours.backward()
+
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    teacher._capturing = False
+    with torch.no_grad():
+        teacher_logits = teacher_model(**inputs).logits  # its own forward: the head's plain projection, transformed
+    theirs = trl_jsd()(reference(**inputs).logits[:, :-1], teacher_logits[:, :-1], labels=batch["labels"][:, 1:],
+                       beta=beta)
+    theirs.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
+    for (name, ours_p), theirs_p in zip(student.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours_p.grad, theirs_p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -172,3 +172,43 @@ def grpo_gather(ctx: Ctx, config: str, nproc: int = 2) -> tuple[str, str]:
                    f"{len(rewards['per_layer']) - equal} of {len(rewards['per_layer'])} steps", log)
     return PASS, (f"{config}: rollouts {seconds['whole']:.1f} s whole vs {seconds['per_layer']:.1f} s per layer "
                   f"(x{ratio:.1f}); rewards equal at every step")
+
+
+def distill(ctx: Ctx) -> tuple[str, str]:
+    """Distillation on one GPU in bf16: a freshly initialised student of the acceptance model's shape taught by the
+    acceptance model (the teacher, frozen beside it), every step on the student's own samples (generate on the
+    GPU), the generalised JSD of both heads chunked on the GPU: finite losses, the divergence falling (its last
+    fifth of steps below its first), the training tokens/s and the peak memory of the two models recorded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from disttrain.runtime.launcher import REPO
+
+    student = ctx.item_dir / "student"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ctx.model_dir)).save_pretrained(student)
+    AutoTokenizer.from_pretrained(ctx.model_dir).save_pretrained(student)
+    steps = ctx.s.steps * STEPS_PER_SETTING_STEP
+    run = ctx.item_dir / "run"
+    tree = recipe(ctx, run, data={"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt", "packing": False,
+                                  "max_seq_len": 64},
+                  training={"objective": "distill", "max_steps": steps, "micro_batch_size": 8, "grad_accum": 1,
+                            "lr": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0},
+                  distill={"teacher": str(ctx.model_dir), "lmbda": 1.0, "beta": 0.5, "max_completion_length": 32},
+                  output={"save_final_model": False, "checkpoint_at_end": False})
+    tree["model"]["name_or_path"] = str(student)
+    _, log = train(ctx, "run", "single_gpu", tree)
+    require_finite_losses(run, steps, log)
+    records = [r for r in read_metrics(run) if "loss" in r]
+    fifth = max(len(records) // 5, 1)
+    first = sum(r["loss"] for r in records[:fifth]) / fifth
+    last = sum(r["loss"] for r in records[-fifth:]) / fifth
+    if not last < first:
+        raise Fail(f"the divergence did not fall: {first:.4f} over the first fifth of {len(records)} steps, "
+                   f"{last:.4f} over the last", log)
+    speed = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
+    peak = max(r.get("peak_mem_gb", 0.0) for r in read_metrics(run))
+    ctx.figures.update(divergence_first_fifth=first, divergence_last_fifth=last, tokens_per_s_median=speed,
+                       peak_mem_gb=peak)
+    return PASS, (f"{steps} steps, divergence {first:.4f} -> {last:.4f}; {speed:.0f} tokens/s (median), "
+                  f"peak {peak:.2f} GB")
