@@ -47,6 +47,7 @@ SHIPPED = {
     "qwen2.5-7b/grpo_lora.yaml": "ddp",
     "qwen2.5-7b/grpo_full_2node.yaml": "fsdp",
     "qwen3-30b-a3b/grpo_lora.yaml": "zero3",
+    "qwen3-1.7b/grpo_python_gsm8k.yaml": "zero3",  # multi-turn rollouts with the Python sandbox as the tool
     # distillation: the teacher shrunk beside the student; the tiny recipe's teacher is the tiny model
     "tiny/distill.yaml": "zero3",
     "qwen3-1.7b/distill_from_8b.yaml": "fsdp",
@@ -56,12 +57,18 @@ MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mix
 EXPERT_PARALLEL = ("qwen3-30b-a3b/full_sft_ep.yaml", "qwen3-30b-a3b/lora_sft_ep.yaml", "mixtral-8x7b/lora_sft_ep.yaml")
 
 
+# the tiny tool recipes: launched as shipped (shortened) in tests/test_agent_launch.py, the SFT warm start and GRPO
+# from it under one process, DDP (resumed), FSDP2 and ZeRO-3, the final model loading
+LAUNCHED = ("tiny/tool_sft.yaml", "tiny/tool_grpo.yaml")
+
+
 def test_every_shipped_recipe_is_covered():
     from test_expert_parallel import EP_RECIPES
 
     shipped = {str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes").rglob("*.yaml")}
     assert set(EP_RECIPES) == set(EXPERT_PARALLEL)
-    assert shipped == set(SHIPPED) | set(EXPERT_PARALLEL)
+    assert shipped == set(SHIPPED) | set(EXPERT_PARALLEL) | set(LAUNCHED)
+    assert all(f"recipes/{recipe}" in (REPO / "tests/test_agent_launch.py").read_text() for recipe in LAUNCHED)
 
 
 # what preflight proves is that the recipe trains, checkpoints, resumes and exports; the end-of-run samples and

@@ -26,7 +26,7 @@ import torch
 
 from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
-from disttrain.objectives import rollout, sampling, vllm_engine
+from disttrain.objectives import agent, rollout, sampling, vllm_engine
 from disttrain.objectives.policy_loss import UNITS, clip_units, entropy_bonus, policy_loss, units
 from disttrain.objectives.rewards import (Rewards, advantages, baselined, nanstd, reward_names, step_statistics,
                                           weighted_sum)
@@ -34,6 +34,7 @@ from disttrain.objectives.rl_metrics import RolloutWindow
 from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS,
                                           SAMPLED_KEY)
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
+from disttrain.objectives.tools import Toolbox
 from disttrain.objectives.vllm_engine import engine_weights
 from disttrain.runtime.backends import bare_model
 from disttrain.runtime.rollout_weights import RolloutWeights
@@ -42,13 +43,20 @@ from disttrain.runtime.rollout_weights import RolloutWeights
 class GRPO:
     def __init__(self, recipe):
         self.recipe, self.rl = recipe, recipe.rl
-        self.rewards = Rewards(recipe.rl)  # imported now: a wrong module:function stops before the model loads
+        # imported now: a wrong module:function, a tool transformers cannot describe stop before the model loads
+        self.toolbox = Toolbox(recipe.rl) if recipe.rl.agentic() else None
+        self.rewards = Rewards(recipe.rl, self.toolbox.reward_name if self.toolbox else None)
+        if not self.rewards.items:
+            raise DisttrainError(f"rl.environment: {recipe.rl.environment} has no get_reward() and rl.rewards is "
+                                 "empty: give at least one reward")
         if recipe.rl.engine == "vllm":  # the server answers, vLLM is here: known before the model loads
             vllm_engine.check(recipe.rl)
         self.tokenizer = self.accelerator = None
 
     def model_kwargs(self, tokenizer) -> dict:
-        """The causal LM as it is."""
+        """The causal LM as it is; with tools, its chat template checked for them first."""
+        if self.toolbox is not None:
+            agent.check_template(tokenizer, self.recipe.model.tokenizer_name_or_path or self.recipe.model.name_or_path)
         return {}
 
     def collator(self, tokenizer) -> PromptCollator:
@@ -56,7 +64,7 @@ class GRPO:
         return PromptCollator()
 
     def loss(self, model) -> GRPOLoss:
-        return GRPOLoss(model, self.rl, self.recipe.rl_reference())
+        return GRPOLoss(model, self.rl, self.recipe.rl_reference(), self.rewards.names)
 
     def prepare(self, accelerator, model, loss, train_set, eval_sets, eval_loaders, collator) -> None:
         """The frozen reference when the KL term needs one and no adapters can be switched off; dropout off
@@ -101,11 +109,18 @@ class Rollouts:
         self.weights: RolloutWeights | None = None  # how the policy is held while it samples (made at the first)
         self.window: RolloutWindow | None = None
         self.engine = vllm_engine.VLLMEngine(self.rl) if self.rl.engine == "vllm" else None
+        self._throwaway: list[int] | None = None  # a prompt for a rank's throwaway generate rows
         self.engine_logps: dict = {}  # rl.engine: vllm -- {(micro-batch, prompt): the server's log-probs}
+        self.trajectories: dict = {}  # rl.tools: {(micro-batch, prompt): its completions' agent.Trajectory}
         train_set = getattr(feed, "train_set", None)
         if train_set is not None and len(train_set):
-            columns = set(json.loads(train_set[0]["record"])) - {"prompt"}
+            first = json.loads(train_set[0]["record"])
+            columns = set(first) - {"prompt"} | ({"environments"} if objective.toolbox else set())
             objective.rewards.check_columns(columns, objective.recipe.data.path or "data.sources")
+            if objective.toolbox is not None and not isinstance(first["prompt"], list):
+                raise DisttrainError(f"rl.tools: {objective.recipe.data.path or 'data.sources'} has plain-text "
+                                     "prompts; tool calls need chat prompts (a list of messages ending with the "
+                                     "user's turn) for the chat template to list the tools in")
 
     @property
     def rank_state(self):
@@ -154,10 +169,12 @@ class Rollouts:
             accelerator.wait_for_everyone()  # last step's log line is not sampling (the gathers would wait anyway)
         clock = [time.perf_counter(), 0.0, 0.0]  # (start of the current phase, sampling seconds, scoring seconds)
         groups = [(m, k, 0) for m, p in enumerate(prompt_batches) for k in range(len(p["prompt_ids"]))]
+        if self.objective.toolbox is not None:
+            self.objective.toolbox.rewind()
         done = self._sample(run, prompt_batches, batch, groups, state.step)
         sampled = [[done[m, k] for k in range(len(p["prompt_ids"]))] for m, p in enumerate(prompt_batches)]
         _lap(clock, 1)
-        scored = [self._score(p, c, batch, progress) for p, c in zip(prompt_batches, sampled)]
+        scored = [self._score(m, p, c, batch, progress) for m, (p, c) in enumerate(zip(prompt_batches, sampled))]
         _lap(clock, 2)
         resampled = self._resample_flat_groups(run, prompt_batches, batch, progress, sampled, scored, clock)
         all_rows = []
@@ -165,16 +182,21 @@ class Rollouts:
             flat = [c for g in completions for c in g]
             prompt_of = [ids for ids in prompts["prompt_ids"] for _ in range(group)]
             logps = [lp for k in range(len(completions)) for lp in self.engine_logps[m, k]] if self.engine else None
+            played = policy = None
+            if self.objective.toolbox:  # rl.tools: each trajectory's own prompt (its environment's reset adds to it)
+                played = [t for k in range(len(completions)) for t in self.trajectories[m, k]]
+                prompt_of, policy = [t.prompt_ids for t in played], [t.policy for t in played]
             all_rows.append((flat, rollout.training_rows(prompt_of, flat, tokenizer.pad_token_id,
-                                                         rl.mask_truncated_completions, accelerator.device, logps)))
-        statistics = self._step_statistics(run, scored, [rows for _, rows in all_rows])
+                                                         rl.mask_truncated_completions, accelerator.device, logps,
+                                                         policy), played))
+        statistics = self._step_statistics(run, scored, [rows for _, rows, _ in all_rows])
         micro_batches = []
-        for (flat, rows), (table, _, _) in zip(all_rows, scored):
+        for (flat, rows, played), (table, _, _) in zip(all_rows, scored):
             rows[ADVANTAGES_KEY], rewards = advantages(table, self.objective.rewards.weights, group, rl.advantage,
                                                        rl.reward_scale, statistics)
             rows[ADVANTAGES_KEY] = rows[ADVANTAGES_KEY].to(accelerator.device)
             loss.before_training(model, rows, self.iterations > 1 or self.engine is not None)
-            loss.window.add_rollout(table, rewards, flat, group)
+            loss.window.add_rollout(table, rewards, flat, group, played)
             micro_batches.append(rows)
         loss.window.add_times(clock[1], clock[2], resampled)
         loss.window.keep_samples(tokenizer, prompt_batches[0], sampled[0], scored[0][1], scored[0][2])
@@ -195,8 +217,7 @@ class Rollouts:
                 step: int) -> dict:
         """{(micro-batch, prompt): its num_generations completions} for `groups` -- (micro-batch, prompt in it,
         attempt) -- sampled in one rollout. Attempt a of a prompt draws its completions a x num_generations on."""
-        accelerator, rl, group = run.accelerator, self.rl, self.rl.num_generations
-        tokenizer, seed = self.objective.tokenizer, run.recipe.training.seed
+        group, seed = self.rl.num_generations, run.recipe.training.seed
         prompts, seeds = [], []
         for m, k, attempt in groups:
             row = int(prompt_batches[m][PROMPT_INDEX][k])
@@ -204,18 +225,91 @@ class Rollouts:
             seeds += [sampling.completion_seed(seed, batch, row, attempt * group + g) for g in range(group)]
         if self.engine is not None:
             return self._sample_on_server(run, prompts[::group], seeds[::group], groups, step)
-        if not prompts:  # nothing to redo here while other ranks resample: one throwaway row keeps them in step
-            prompts, seeds = [prompt_batches[0]["prompt_ids"][0]], [0]
-        with contextlib.ExitStack() as stack:  # the model to sample from, in eval mode, under the run's autocast
+        self._throwaway = prompt_batches[0]["prompt_ids"][0]  # nothing to (re)do here while others do: a throwaway
+        if self.objective.toolbox is not None:
+            return self._play(run, prompt_batches, groups, seeds)
+        with self._policy(run) as generate:
+            flat = generate(prompts, seeds, None)
+        return {(m, k): flat[i * group:(i + 1) * group] for i, (m, k, _) in enumerate(groups)}
+
+    @contextlib.contextmanager
+    def _policy(self, run):
+        """generate(prompts, seeds, max_new_tokens) -> [(ids, truncated)] from the current policy, in eval mode
+        under the run's autocast, held as RolloutWeights decides. Where generate() is synced the ranks agree on
+        its calls (a resampling round or a turn of tool calls has more rows on some ranks, none on others: there
+        a throwaway row keeps the rank in step); `generate.synced` tells the caller."""
+        accelerator, rl, tokenizer = run.accelerator, self.rl, self.objective.tokenizer
+        with contextlib.ExitStack() as stack:
             module, synced = stack.enter_context(self.weights.model(run.model, self._decode_shape()))
             stack.enter_context(accelerator.autocast())
             eos = rollout.eos_ids(tokenizer, module)
-            calls = rollout.generate_calls(rl, len(prompts))
-            if synced:  # a resampling round redraws more groups on some ranks: the ranks agree on the calls
-                calls = int(accelerator.reduce(torch.tensor([float(calls)], device=accelerator.device), "max"))
-            flat = rollout.sample(module, rl, prompts, seeds, eos, tokenizer.pad_token_id, accelerator.device, synced,
-                                  calls)
-        return {(m, k): flat[i * group:(i + 1) * group] for i, (m, k, _) in enumerate(groups)}
+
+            def generate(prompts: list[list[int]], seeds: list[int], max_new_tokens: int | None) -> list:
+                calls = rollout.generate_calls(rl, len(prompts)) if prompts else 0
+                if synced:
+                    calls = int(accelerator.reduce(torch.tensor([float(calls)], device=accelerator.device), "max"))
+                rows = len(prompts)
+                if not calls:
+                    return []
+                if not prompts:
+                    prompts, seeds = [self._throwaway], [0]
+                flat = rollout.sample(module, rl, prompts, seeds, eos, tokenizer.pad_token_id, accelerator.device,
+                                      synced, calls, max_new_tokens)
+                return flat[:rows]
+
+            generate.synced = synced
+            yield generate
+
+    def _play(self, run, prompt_batches: list[dict], groups: list[tuple[int, int, int]], seeds: list[int]) -> dict:
+        """rl.tools: each completion played as a trajectory of turns and tool calls (agent.py); {(micro-batch,
+        prompt): its completions} as _sample, the trajectories kept in self.trajectories."""
+        accelerator, group, toolbox = run.accelerator, self.rl.num_generations, self.objective.toolbox
+        played = []
+        environments = iter(toolbox.instances(len(groups) * group))
+        for i, (m, k, _) in enumerate(groups):
+            record = json.loads(prompt_batches[m]["record"][k])
+            row = int(prompt_batches[m][PROMPT_INDEX][k])
+            for g in range(group):
+                environment = next(environments)
+                prompt = self._agent_prompt(record, environment, row)
+                played.append(agent.Trajectory(prompt, seeds[i * group + g], toolbox.callables(environment),
+                                               environment))
+        with self._policy(run) as generate:
+            def more(rows: int) -> bool:
+                if not generate.synced:
+                    return rows > 0
+                return float(accelerator.reduce(torch.tensor([float(rows)], device=accelerator.device), "max")) > 0
+
+            agent.roll_out(played, generate, more, self.objective.tokenizer, toolbox, self.rl)
+        done = {}
+        for i, (m, k, _) in enumerate(groups):
+            self.trajectories[m, k] = played[i * group:(i + 1) * group]
+            done[m, k] = [t.completion for t in self.trajectories[m, k]]
+        return done
+
+    def _agent_prompt(self, record: dict, environment, row: int) -> list[int]:
+        """A trajectory's prompt: the record's messages (its environment's reset() text appended to the user's
+        last turn) rendered with the tools listed, as TRL renders it."""
+        messages = [dict(m) for m in record["prompt"]]
+        if environment is not None:
+            try:
+                observation = environment.reset(**record)
+            except Exception as exc:
+                raise DisttrainError(f"rl.environment: reset() raised {type(exc).__name__}: {str(exc)[:200]} on "
+                                     f"training row {row}") from None
+            if observation is not None:
+                messages[-1]["content"] = (messages[-1].get("content") or "") + str(observation)
+        tokenizer, limit = self.objective.tokenizer, self.objective.recipe.data.max_seq_len
+        try:
+            ids = list(tokenizer.apply_chat_template(messages, tools=self.objective.toolbox.schemas, tokenize=True,
+                                                     add_generation_prompt=True, return_dict=False))
+        except Exception as exc:
+            raise DisttrainError(f"training row {row}: the chat template refused the prompt with its tools: "
+                                 f"{str(exc).strip()[:200]}") from None
+        if len(ids) > limit:
+            raise DisttrainError(f"training row {row}: the prompt has {len(ids)} tokens with its tools listed, over "
+                                 f"data.max_seq_len={limit}: raise data.max_seq_len")
+        return ids
 
     def _sample_on_server(self, run, prompts: list[list[int]], seeds: list[int], groups: list, step: int) -> dict:
         """rl.engine: vllm -- the weights pushed when an optimizer step changed them (every rank joins the gather),
@@ -252,7 +346,7 @@ class Rollouts:
             redone |= set(flat)
             _lap(clock, 1)
             for m in sorted({m for m, _ in flat}):
-                scored[m] = self._score(prompt_batches[m], sampled[m], batch, progress)
+                scored[m] = self._score(m, prompt_batches[m], sampled[m], batch, progress)
             _lap(clock, 2)
         return len(redone)
 
@@ -263,10 +357,11 @@ class Rollouts:
         rows = recipe.training.micro_batch_size * recipe.training.grad_accum * self.rl.num_generations
         return min(rows, self.rl.rows_per_generate or rows), recipe.data.max_seq_len + self.rl.max_completion_length
 
-    def _score(self, prompts: dict, completions: list[list[tuple]], batch: int,
+    def _score(self, m: int, prompts: dict, completions: list[list[tuple]], batch: int,
                progress) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """([completions, functions] rewards, their weighted sums, the functions' log_extra columns) of one prompt
-        micro-batch."""
+        """([completions, functions] rewards, their weighted sums, the functions' log_extra columns) of prompt
+        micro-batch `m`. With tools a completion is its messages (the assistant's turns and the tools' replies, as
+        TRL passes them) and the functions are given each completion's environment instance (`environments`)."""
         tokenizer, group, window = self.objective.tokenizer, self.rl.num_generations, self.window
         records = [json.loads(r) for r in prompts["record"]]
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for g in completions for ids, _ in g]
@@ -274,10 +369,16 @@ class Rollouts:
         flat_records = [r for r in records for _ in range(group)]
         columns = {k: [r.get(k) for r in flat_records] for k in records[0] if k != "prompt"}
         rows = [int(i) for i in prompts[PROMPT_INDEX] for _ in range(group)]
+        answers = [[{"role": "assistant", "content": t}] if chat[i // group] else t for i, t in enumerate(texts)]
+        if self.objective.toolbox is not None:
+            played = [t for k in range(len(completions)) for t in self.trajectories[m, k]]
+            answers = [t.messages or [{"role": "assistant", "content": ""}] for t in played]
+            if self.objective.toolbox.environment is not None:
+                columns["environments"] = [t.environment for t in played]
         extra: dict[str, list] = {}
         table = self.objective.rewards.score(
             prompts=[r["prompt"] for r in flat_records],
-            completions=[[{"role": "assistant", "content": t}] if chat[i // group] else t for i, t in enumerate(texts)],
+            completions=answers,
             completion_ids=[ids for g in completions for ids, _ in g], columns=columns,
             where=lambda i: f"completion {i % group} of training row {rows[i]} (prompt batch {batch})",
             extras={"trainer_state": progress, "log_metric": window.log_metric,
@@ -308,13 +409,13 @@ class GRPOLoss:
     """The loop's loss for training.objective: grpo (objectives/base.Loss). `units`: rl.loss's (policy_loss.UNITS).
     Its engine is the chunked head with the policy loss as what lm_head returns in training."""
 
-    def __init__(self, model, rl, reference: str):
+    def __init__(self, model, rl, reference: str, names: list[str] | None = None):
         self.engine = LossEngine(model, "chunked", training_head=self._training_head)
         self.head, self.rl, self.reference = self.engine.head, rl, reference
         self.unit_name = UNITS[rl.loss]
         self.sampling = replace(self.engine.family.transform, temperature=rl.temperature)
         self.head._disttrain_transform = self.sampling
-        self.window = RolloutWindow(reward_names(rl), clip_units(rl))
+        self.window = RolloutWindow(names or reward_names(rl), clip_units(rl), agentic=rl.agentic())
         self._batch: dict | None = None
         self._num_items = 1.0  # the loop's denominator of the micro-batch being trained on
         self._reference = None

@@ -126,11 +126,15 @@ def reward_names(rl) -> list[str]:
 class Rewards:
     """The recipe's reward functions, loaded and checked against the data's columns."""
 
-    def __init__(self, rl):
+    def __init__(self, rl, environment: str | None = None):
+        """`environment`: the name of an rl.environment class with get_reward(), a reward of weight 1 (TRL's)."""
         self.items = [Reward(name, load_reward(spec, f"rl.rewards[{i}]") if spec.function else
                              RewardModel(spec.model, f"rl.rewards[{i}]"), spec.weight)
                       for i, (name, spec) in enumerate(zip(reward_names(rl), rl.rewards))]
+        if environment is not None:
+            self.items.append(Reward(environment, environment_reward, 1.0))
         self.weights = torch.tensor([r.weight for r in self.items], dtype=torch.float32)
+        self.names = [r.name for r in self.items]
 
     def check_columns(self, columns: set[str], data: str) -> None:
         """Every column a function requires is in the data, else one line naming both."""
@@ -195,6 +199,11 @@ class Rewards:
             raise DisttrainError(f"rl.rewards[{index}] ({reward.name}) returned {len(values)} rewards for "
                                  f"{len(completions)} completions: one per completion")
         return values
+
+
+def environment_reward(environments: list, **_) -> list:
+    """An rl.environment's own reward: each completion's instance's get_reward(), after its last turn."""
+    return [e.get_reward() for e in environments]
 
 
 def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

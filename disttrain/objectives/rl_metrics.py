@@ -12,15 +12,15 @@ from disttrain.objectives.rewards import nanstd
 SAMPLES_LOGGED = 2  # completions of a step's first prompt kept for the metrics line (with their rewards)
 
 ROLLOUT_SUMS = ("completions", "reward", "reward_sq", "length", "truncated", "groups", "groups_zero_std",
-                "groups_resampled", "logged_metrics")
+                "groups_resampled", "logged_metrics", "tool_calls", "tool_failures", "turns", "tool_tokens")
 
 
 class RolloutWindow:
     """What the rollouts and the policy loss add up between two log lines; one all-reduce of the sums and one of
     the maxima (lengths, times) when a line is written."""
 
-    def __init__(self, names: list[str], clips_per: str = "tokens"):
-        self.names, self.functions, self.clips_per = names, len(names), clips_per
+    def __init__(self, names: list[str], clips_per: str = "tokens", agentic: bool = False):
+        self.names, self.functions, self.clips_per, self.agentic = names, len(names), clips_per, agentic
         self.reset()
 
     def reset(self) -> None:
@@ -33,12 +33,21 @@ class RolloutWindow:
         self.samples: list[dict] = []
         self.logged: dict[str, list[float]] = {}  # the reward functions' log_metric values
 
-    def add_rollout(self, table: torch.Tensor, summed: torch.Tensor, completions: list[tuple], group: int) -> None:
-        lengths = torch.tensor([len(ids) for ids, _ in completions], dtype=torch.float64)
+    def add_rollout(self, table: torch.Tensor, summed: torch.Tensor, completions: list[tuple], group: int,
+                    played: list | None = None) -> None:
+        """`played`: with tools, the completions' trajectories -- a completion's length is its policy's tokens (as
+        TRL counts it), and the tools' counts are added up."""
+        lengths = torch.tensor([len(ids) if played is None else sum(played[i].policy)
+                                for i, (ids, _) in enumerate(completions)], dtype=torch.float64)
+        if played is not None:
+            tools = [sum(t.calls for t in played), sum(t.failures for t in played), sum(t.turns for t in played),
+                     sum(len(t.policy) - sum(t.policy) for t in played)]
+            self.sums[ROLLOUT_SUMS.index("tool_calls"):ROLLOUT_SUMS.index("tool_tokens") + 1] += torch.tensor(
+                tools, dtype=torch.float64)
         grouped = summed.double().view(-1, group)  # a group's std over its scored completions, as TRL's
         zero_std = torch.isclose(nanstd(grouped, dim=1), torch.zeros((), dtype=torch.float64)).sum()
         values = [len(completions), summed.double().nansum(), (summed.double() ** 2).nansum(), lengths.sum(),
-                  sum(t for _, t in completions), grouped.shape[0], zero_std, 0, 0]
+                  sum(t for _, t in completions), grouped.shape[0], zero_std, 0, 0, 0, 0, 0, 0]
         scored = ~torch.isnan(table)
         per_function = torch.cat([table.double().nan_to_num(0.0).sum(0), (table.double().nan_to_num(0.0) ** 2).sum(0),
                                   scored.sum(0).double()])
@@ -123,6 +132,12 @@ class RolloutWindow:
             record[f"rewards/{self.names[j]}/mean"] = mean_j
             variance = float(sums[base + f + j]) / count - mean_j * mean_j
             record[f"rewards/{self.names[j]}/std"] = max(variance, 0.0) ** 0.5
+        if self.agentic:  # TRL's tools/call_frequency (calls per completion) and failure_frequency (per call)
+            calls = float(sums[ROLLOUT_SUMS.index("tool_calls")])
+            record.update({"tools/call_frequency": calls / n,
+                           "tools/failure_frequency": float(sums[ROLLOUT_SUMS.index("tool_failures")]) / max(calls, 1),
+                           "tools/turns": float(sums[ROLLOUT_SUMS.index("turns")]) / n,
+                           "tools/tool_tokens": float(sums[ROLLOUT_SUMS.index("tool_tokens")]) / n})
         if self.steps:  # completion tokens of all ranks over the slowest rank's sampling time
             record["rollout_tokens_per_s"] = float(sums[3]) / max(float(maxima[2]), 1e-9)
         return record

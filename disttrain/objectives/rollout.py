@@ -44,21 +44,23 @@ def generate_calls(rl, rows: int) -> int:
 
 @torch.no_grad()
 def sample(module, rl, prompts: list[list[int]], seeds: list[int], eos: list[int], pad_id: int, device,
-           synced: bool, calls: int = 1) -> list[tuple[list[int], bool]]:
+           synced: bool, calls: int = 1, max_new_tokens: int | None = None) -> list[tuple[list[int], bool]]:
     """One completion per (prompt, seed) -- (ids, truncated) -- sampled by `module` (the bare model, in eval
     mode) in generate_calls() calls. When `synced`, every rank must make as many: `calls` (agreed by the caller)
-    pads this rank's with throwaway calls of one row."""
+    pads this rank's with throwaway calls of one row. `max_new_tokens`: rl.max_completion_length unless given (a
+    multi-turn rollout's turn: what is left of it)."""
     step = rl.rows_per_generate or len(prompts)
     completions = []
     for start in range(0, len(prompts), step):
         completions += _generate(module, rl, prompts[start:start + step], seeds[start:start + step], eos, pad_id,
-                                 device, synced)
+                                 device, synced, max_new_tokens)
     for _ in range(calls - generate_calls(rl, len(prompts))):
-        _generate(module, rl, prompts[:1], seeds[:1], eos, pad_id, device, synced)
+        _generate(module, rl, prompts[:1], seeds[:1], eos, pad_id, device, synced, max_new_tokens)
     return completions
 
 
-def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced) -> list[tuple[list[int], bool]]:
+def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced,
+              max_new_tokens: int | None = None) -> list[tuple[list[int], bool]]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -66,7 +68,7 @@ def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced) -> list[t
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         attention[row, width - len(prompt):] = 1
     ids, attention = ids.to(device), attention.to(device)
-    with sampling.bare_generation_config(module, eos, pad_id, rl.max_completion_length,
+    with sampling.bare_generation_config(module, eos, pad_id, max_new_tokens or rl.max_completion_length,
                                          static_cache=rl.engine == "static") as config:
         out = module.generate(input_ids=ids, attention_mask=attention, generation_config=config,
                               logits_processor=sampling.processors(rl, seeds, width, device,
@@ -80,11 +82,13 @@ def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced) -> list[t
 
 
 def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], bool]], pad_id: int,
-                  mask_truncated: bool, device, sampled_logps: list[list[float]] | None = None) -> dict:
+                  mask_truncated: bool, device, sampled_logps: list[list[float]] | None = None,
+                  policy: list[list[int]] | None = None) -> dict:
     """Rows of prompt + completion, right-padded: labels on the completion tokens trained on, MASK_KEY at the
     positions predicting them (the layout of the chunked head's per-position log-probs), and the bookkeeping the
     loop counts tokens and FLOPs by. `prompts`: each completion's prompt; `sampled_logps`: an engine's log-probs
-    of each completion's tokens, laid out like MASK_KEY (SAMPLED_KEY)."""
+    of each completion's tokens, laid out like MASK_KEY (SAMPLED_KEY); `policy`: per completion token, 1 where the
+    policy sampled it and 0 where a tool's message put it (agent.py): the zeros get no label and no weight."""
     longest = max(len(p) + len(c) for p, (c, _) in zip(prompts, completions))
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -97,6 +101,10 @@ def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], b
         if completion and not (mask_truncated and truncated):
             labels[row, len(prompt):length] = torch.tensor(completion)
             mask[row, len(prompt) - 1:length - 1] = 1.0
+            if policy is not None:
+                mine = torch.tensor(policy[row], dtype=torch.bool)
+                labels[row, len(prompt):length][~mine] = IGNORE_INDEX
+                mask[row, len(prompt) - 1:length - 1] *= mine.float()
     lengths = attention.sum(-1)
     batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels, MASK_KEY: mask,
              LENGTHS_KEY: lengths, SQUARES_KEY: lengths * lengths}

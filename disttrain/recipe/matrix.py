@@ -123,6 +123,11 @@ FEATURES = (
              "rl.rewards=[{function: recipes/tiny/rewards.py:letters}, "
              "{function: recipes/tiny/rewards.py:answer_words, weight: 0.5}]",
              "rl.num_generations=4", "rl.max_completion_length=8")),
+    Feature("agent", "online RL with tools: multi-turn rollouts (rl.tools, rl.environment)",
+            ("training.objective=grpo", "data.path=data/tiny_tool_prompts.jsonl", "data.format=prompt",
+             "data.eval_path=null", "data.max_seq_len=320", "rl.tools=[recipes/tiny/tools.py:lookup]",
+             "rl.rewards=[{function: recipes/tiny/tools.py:code_answer}]", "rl.num_generations=4",
+             "rl.max_completion_length=96")),
     Feature("reward_model", "reward-model training (a score head, Bradley-Terry; the variants below)",
             ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
@@ -163,6 +168,7 @@ CPT = "tests/test_context_parallel.py"
 PREF = "tests/test_preference_launch.py"
 DISTILL = ("tests/test_distill_launch.py::"
            "test_on_policy_distillation_trains_like_one_process_and_learns_the_teachers_task")
+AGENT = "tests/test_agent_launch.py::test_rollouts_with_a_tool_train_like_one_process"
 MOE_OTHER = f"{PF}::test_moe_recipes_train_like_one_process_under_the_other_strategies"
 MOE_RESUME = f"{PF}::test_moe_recipes_train_like_one_process_across_their_resume"
 COMPILE = "tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles"
@@ -344,6 +350,18 @@ CELLS: dict[str, dict[str, Cell]] = {
     },
     "grpo": {
         **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("rl", ", ".join(RL_VARIANT[c]))),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=grpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=grpo " + EP_REFUSAL),
+    },
+    "agent": {
+        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
+                lambda c: Refused("rl.tools / rl.environment (multi-turn rollouts) are not proven under")),
+        "single_gpu": Proven((f"{AGENT}[ddp]",), SINGLE_REFERENCE),
+        "ddp": Proven((f"{AGENT}[ddp]",), "stopped after step 2 and resumed"),
+        "fsdp": Proven((f"{AGENT}[fsdp]",), "each layer gathered per token: generate() synced, every turn agreed"),
+        "zero3": Proven((f"{AGENT}[zero3]",), "rl.environment (reset, its methods as tools, its reward); the "
+                        "model gathered once per rollout"),
         **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=grpo " + TP_REFUSAL)),
         "fsdp_ep": Refused("training.objective=grpo " + EP_REFUSAL),

@@ -360,6 +360,25 @@ class RLSection(_Section):
                                   "its default is false)")
     rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions and their "
                                          "weights: [{function: module:function, weight: 1.0}, ...]")
+    tools: list[str] = Field(default_factory=list, description="Tools the policy may call during a rollout "
+                             "(TRL's tools): [path.py:function, module:function], plain functions with type hints "
+                             "and a Google-style docstring (their JSON schemas: transformers' get_json_schema), "
+                             "listed to the model by its chat template; a call's result becomes a tool message the "
+                             "policy continues from, never trained on (docs/rl.md, 'Agents')")
+    environment: str | None = Field(None, description="A class (path.py:Class or module:Class) whose public methods "
+                                    "are tools (TRL's environment_factory): one instance per completion, reset(**the "
+                                    "prompt's record) before it (text it returns is appended to the last user turn), "
+                                    "get_reward() -- when it has one -- a reward named after the class, weight 1")
+    max_tool_calling_iterations: int | None = Field(None, ge=1, description="Tool-calling turns per completion at "
+                                                    "most (null: until a turn without calls or "
+                                                    "max_completion_length, counted over the whole trajectory)")
+    tool_timeout: float = Field(10.0, gt=0, description="Seconds a tool call may take; one that takes longer, "
+                                "raises or is called with unknown arguments becomes a tool message saying so (the "
+                                "run goes on; metrics: tools/failures)")
+
+    def agentic(self) -> bool:
+        """Rollouts of several turns, with tools (rl.tools or rl.environment)."""
+        return bool(self.tools) or self.environment is not None
 
     @model_validator(mode="after")
     def _scale_of_the_estimator(self):
@@ -622,9 +641,12 @@ class Recipe(_Section):
         if any(f != "prompt" for f in formats):
             raise ValueError("training.objective: grpo needs data.format: prompt (a `prompt` column: a string or chat "
                              "messages ending with the user's turn) for every source")
-        if not rl.rewards:
+        if not rl.rewards and rl.environment is None:
             raise ValueError("training.objective: grpo needs rl.rewards: at least one {function: module:function, "
-                             "weight: 1.0} (docs/rl.md)")
+                             "weight: 1.0} (docs/rl.md), or an rl.environment with get_reward()")
+        if rl.agentic() and rl.engine == "vllm":
+            raise ValueError("rl.tools / rl.environment run their turns in the trainer's generate(): rl.engine: vllm "
+                             "is not built for them yet; use rl.engine: generate")
         if self.data.packing or self.data.streaming:
             raise ValueError("training.objective: grpo generates its own rows: data.packing and data.streaming do not "
                              "apply (remove them)")

@@ -145,7 +145,8 @@ def cpu_overrides(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) ->
         f"model.name_or_path={model_dir}", "model.dtype=float32", "model.attn_implementation=sdpa",
         "model.quantization=null", "model.tokenizer_name_or_path=null",
         *data_overrides, "data.eval_path=null", "data.eval_split=null", "data.eval_fraction=0.0",
-        f"data.max_seq_len={min(recipe.data.max_seq_len, 128)}",
+        # with tools the template lists their schemas before the prompt (some hundred tokens in the tiny tokenizer)
+        f"data.max_seq_len={min(recipe.data.max_seq_len, 512 if recipe.rl.agentic() else 128)}",
         f"training.max_steps={steps}", f"training.micro_batch_size={min(recipe.training.micro_batch_size, 2)}",
         f"training.grad_accum={min(recipe.training.grad_accum, 2)}", "training.mixed_precision=no",
         "training.optimizer=adamw", "training.eval_every=null",

@@ -39,6 +39,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# How transformers parses a turn of that template (tokenizer.response_template, saved in tokenizer_config.json):
+# the <tool_call> JSON objects, the text before them; what online RL's tool-calling rollouts read (docs/rl.md).
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
 
 def _task(rng: random.Random) -> tuple[str, str, str]:
     words = rng.sample(WORDS, rng.randint(2, 6))
@@ -157,6 +169,43 @@ def prompt_records(n: int, seed: int) -> list[dict]:
     return out
 
 
+def code_of(word: str) -> str:
+    """The tool task's secret: each word's code, another word (a fixed permutation only the lookup tool knows)."""
+    return WORDS[(WORDS.index(word) * 7 + 3) % len(WORDS)]
+
+
+def _lookup_schema() -> dict:
+    """The JSON schema of recipes/tiny/tools.py:lookup, as transformers makes it for the chat template."""
+    from transformers.utils import get_json_schema
+
+    from disttrain.objectives.rewards import load_function
+
+    return get_json_schema(load_function(str(Path(__file__).resolve().parents[2] / "recipes/tiny/tools.py")
+                                         + ":lookup", "the tiny tool task"))
+
+
+def tool_records(n: int, seed: int, prompts: bool, call_share: float = 0.6) -> list[dict]:
+    """The tool task (recipes/tiny/tool_sft.yaml, tool_grpo.yaml): "What is the code of <word>?", answerable only
+    through the lookup tool. prompts=False: chat transcripts for the SFT warm start, `call_share` of them calling
+    the tool and answering with its reply, the others guessing a word (so GRPO has a tool-call rate to raise);
+    prompts=True: online RL's prompts with the answer in a column of its own."""
+    rng, schema = random.Random(seed), _lookup_schema()
+    out = []
+    for _ in range(n):
+        word = rng.choice(WORDS)
+        user = {"role": "user", "content": f"What is the code of {word}?"}
+        if prompts:
+            out.append({"prompt": [user], "answer": code_of(word)})
+        elif rng.random() < call_share:
+            call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": word}}}
+            out.append({"messages": [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                     {"role": "tool", "name": "lookup", "content": code_of(word)},
+                                     {"role": "assistant", "content": code_of(word)}], "tools": [schema]})
+        else:
+            out.append({"messages": [user, {"role": "assistant", "content": rng.choice(WORDS)}], "tools": [schema]})
+    return out
+
+
 def text_records(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))} for _ in range(n)]
@@ -175,6 +224,8 @@ def write_data(out_dir: str | Path) -> list[Path]:
         "tiny_dpo_eval.jsonl": preference_records(64, seed=6, messages=False),
         "tiny_tasks_eval.jsonl": choice_records(100, seed=7),  # eval_tasks/disttrain_tiny (make eval)
         "tiny_prompts.jsonl": prompt_records(400, seed=8),  # recipes/tiny/grpo.yaml
+        "tiny_tool_sft.jsonl": tool_records(1200, seed=12, prompts=False),  # recipes/tiny/tool_sft.yaml
+        "tiny_tool_prompts.jsonl": tool_records(400, seed=13, prompts=True),  # recipes/tiny/tool_grpo.yaml
     }
     images = write_images(out)  # recipes/tiny/vlm_sft.yaml: paths relative to the data file
     files["tiny_vlm.jsonl"] = vlm_records(480, seed=9, paths=images)
@@ -215,6 +266,8 @@ def build_tokenizer(corpus: list[str] | None = None, special_tokens: list[str] =
     base = {k: v for k, v in settings.items() if k not in named}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **base, **({"extra_special_tokens": named} if named else {}))
     fast.chat_template = template
+    if template == CHAT_TEMPLATE:
+        fast.response_template = RESPONSE_TEMPLATE
     return fast
 
 

@@ -10,7 +10,9 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _text(completion) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else completion
+    """The answer: a plain completion, or the last message of a chat one (with tools, the turn after the last
+    tool reply)."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
 def _number(text: str) -> float | None:

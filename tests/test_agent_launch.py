@@ -1,0 +1,88 @@
+"""Online RL with a tool, launched as a user would: the tiny model warm-started by SFT on the shipped tool-calling
+transcripts (recipes/tiny/tool_sft.yaml, shortened), then GRPO with recipes/tiny/tools.py:lookup (recipes/tiny/
+tool_grpo.yaml, shortened: these runs are the two recipes' preflight, tests/test_preflight.py) under DDP
+(stopped after step 2 and resumed), FSDP2 with per-layer gathers (generate() synced: the ranks agree on every
+turn's calls) and ZeRO-3 (the task as an environment) on 2 CPU processes -- each equal to one process step by
+step (loss, rewards, the tools' counts), tools called and their replies inside the logged trajectories, the
+final model loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, assert_ok, launch
+from disttrain.metrics.log import read_metrics
+
+pytestmark = pytest.mark.launch
+
+STEPS = 4
+# What each config's run adds (its one-process reference runs the same, less what only a sharded run reads): FSDP2
+# gathers each layer per token (generate() synced: the ranks agree on every turn's calls); ZeRO-3 plays the task
+# as an environment (recipes/tiny/tools.py:CodeBook: reset with each prompt's record, its method the tool, its
+# get_reward a second reward)
+VARIANT = {"ddp": {}, "fsdp": {"generation_weights": "per_layer"},
+           "zero3": {"environment": "recipes/tiny/tools.py:CodeBook", "tools": "[]"}}
+SHARDED_ONLY = ("generation_weights",)
+
+
+# The shipped recipes, shortened: what a run here may not write or wait for (a report, samples, trackers)
+QUIET = ("logging.report_to=[none]", "logging.samples=0", "output.report=false", "output.checkpoint_minutes=30")
+
+
+@pytest.fixture
+def tool_model_dir(runs, tiny_model_dir):
+    """recipes/tiny/tool_sft.yaml on the tiny model, 200 of its steps: the model calls the tool in most answers at
+    the rollouts' temperature (some calls malformed: the failure path runs too)."""
+    def make(folder):
+        assert_ok(launch("single_gpu", REPO / "recipes/tiny/tool_sft.yaml", nproc=1, overrides=(
+            *QUIET, f"model.name_or_path={tiny_model_dir}", f"output.dir={folder}/sft", "training.max_steps=200",
+            "logging.every_steps=50")))
+        return folder / "sft" / "final"
+    return runs.get("agent-tool-sft", make)
+
+
+def agent_run(runs, model, config: str, variant: dict):
+    """recipes/tiny/tool_grpo.yaml from `model`, 4 steps of 4 prompts x 4 trajectories at temperature 0.5, under
+    `config` with `variant`; ddp's made in two invocations (stopped after step 2, then resumed)."""
+    def make(folder):
+        processes = 1 if config == "single_gpu" else 2
+        overrides = (*QUIET, f"model.name_or_path={model}", f"output.dir={folder}/{config}",
+                     f"training.max_steps={STEPS}", "training.micro_batch_size=1",
+                     f"training.grad_accum={4 // processes}", "training.lr=2e-4", "rl.num_generations=4",
+                     "rl.temperature=0.5", "logging.every_steps=1",
+                     *(f"rl.{k}={v}" for k, v in variant.items()))
+        recipe = REPO / "recipes/tiny/tool_grpo.yaml"
+        if config == "ddp":
+            assert_ok(launch(config, recipe, nproc=processes, overrides=(*overrides, "training.stop_at_step=2")))
+        assert_ok(launch(config, recipe, nproc=processes, overrides=overrides))
+        return folder / config
+    return runs.get(f"agent-{config}" + "".join(f"-{k}" for k in sorted(variant)), make)
+
+
+COMPARED = ("loss", "reward", "rewards/code_answer/mean", "rewards/CodeBook/mean", "tools/call_frequency",
+            "tools/failure_frequency", "tools/turns", "tools/tool_tokens", "completions/mean_length", "entropy")
+
+
+def metrics(out) -> dict[tuple[int, str], float]:
+    return {(r["step"], k): r[k] for r in read_metrics(out) for k in COMPARED if k in r}
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+def test_rollouts_with_a_tool_train_like_one_process(runs, tool_model_dir, config):
+    from transformers import AutoModelForCausalLM
+
+    variant = VARIANT[config]
+    single = agent_run(runs, tool_model_dir, "single_gpu", {k: v for k, v in variant.items() if k not in SHARDED_ONLY})
+    out = agent_run(runs, tool_model_dir, config, variant)
+    ours, theirs = metrics(out), metrics(single)
+    assert sorted(ours) == sorted(theirs) and {s for s, _ in ours} == set(range(1, STEPS + 1))
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    calls = [v for (_, k), v in theirs.items() if k == "tools/call_frequency"]
+    assert min(calls) > 0.3, calls  # the tool is called on every step, its replies trained around
+    assert all(v > 0 for (_, k), v in theirs.items() if k == "tools/tool_tokens")
+    logged = [c["completion"] for r in read_metrics(out) for c in r.get("completions", [])]
+    assert any("<|im_start|>tool\n" in c for c in logged), logged[:2]  # a tool's reply inside a trajectory
+    if "environment" in variant:  # its own reward, beside the function's: the right word looked up
+        assert any(v > 0 for (_, k), v in theirs.items() if k == "rewards/CodeBook/mean")
+    AutoModelForCausalLM.from_pretrained(out / "final")
