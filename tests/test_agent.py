@@ -291,3 +291,14 @@ def test_the_sandbox_runs_code_in_a_subprocess_with_limits(tmp_path):
     assert "MemoryError" in run_python("x = bytearray(2 << 30)", memory_mb=256)
     assert run_python("raise SystemExit('bye')").strip() == "bye"
     assert run_python("import os; print(sorted(os.environ))").startswith("['HOME', 'LANG'")  # nothing inherited
+
+
+def test_make_cost_plans_a_trajectory_with_its_tools_replies(capsys, monkeypatch):
+    import json
+
+    from disttrain.tools.cost import main
+
+    monkeypatch.chdir(REPO)
+    main(["--recipe", "recipes/qwen3-1.7b/grpo_python_gsm8k.yaml", "--gpus", "8", "--tokens", "1e8", "--json"])
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert "multi-turn with tools: a trajectory of at most 1536 tokens" in model and "4 turns at most" in model

@@ -1,10 +1,10 @@
 """Online RL with a tool, launched as a user would: the tiny model warm-started by SFT on the shipped tool-calling
 transcripts (recipes/tiny/tool_sft.yaml, shortened), then GRPO with recipes/tiny/tools.py:lookup (recipes/tiny/
-tool_grpo.yaml, shortened: these runs are the two recipes' preflight, tests/test_preflight.py) under DDP
-(stopped after step 2 and resumed), FSDP2 with per-layer gathers (generate() synced: the ranks agree on every
-turn's calls) and ZeRO-3 (the task as an environment) on 2 CPU processes -- each equal to one process step by
-step (loss, rewards, the tools' counts), tools called and their replies inside the logged trajectories, the
-final model loading."""
+tool_grpo.yaml, shortened: these runs are the two recipes' preflight, tests/test_preflight.py) under every
+data-parallel config -- DDP stopped after step 2 and resumed, FSDP2 and HSDP gathering each layer per token
+(generate() synced: the ranks agree on every turn's calls), ZeRO-3 with the task as an environment -- each equal
+to one process step by step (loss, rewards, the tools' counts), tools called and their replies inside the logged
+trajectories, the final model loading."""
 
 from __future__ import annotations
 
@@ -12,17 +12,24 @@ import pytest
 
 from conftest import REPO, assert_ok, launch
 from disttrain.metrics.log import read_metrics
+from disttrain.recipe.matrix import COLUMNS
+
+COLUMN = {c.config: c for c in COLUMNS}
 
 pytestmark = pytest.mark.launch
 
 STEPS = 4
-# What each config's run adds (its one-process reference runs the same, less what only a sharded run reads): FSDP2
-# gathers each layer per token (generate() synced: the ranks agree on every turn's calls); ZeRO-3 plays the task
-# as an environment (recipes/tiny/tools.py:CodeBook: reset with each prompt's record, its method the tool, its
-# get_reward a second reward)
-VARIANT = {"ddp": {}, "fsdp": {"generation_weights": "per_layer"},
-           "zero3": {"environment": "recipes/tiny/tools.py:CodeBook", "tools": "[]"}}
-SHARDED_ONLY = ("generation_weights",)
+# What each config's run adds (its one-process reference runs the same, less what does not change the samples):
+# FSDP2 and HSDP gather each layer per token (generate() synced: the ranks agree on every turn's calls), the
+# others gather the whole model once (ZeRO-3 + offload's per-layer decoding takes 40 s here, for no path the
+# others miss); ZeRO-2 samples a turn in several generate calls; ZeRO-3 plays the task as an environment
+# (recipes/tiny/tools.py:CodeBook: reset with each prompt's record, its method the tool, its get_reward a second
+# reward)
+VARIANT = {"ddp": {}, "fsdp": {"generation_weights": "per_layer"}, "fsdp_offload": {},
+           "hsdp": {"generation_weights": "per_layer"}, "zero1": {}, "zero2": {"rows_per_generate": 3},
+           "zero3": {"environment": "recipes/tiny/tools.py:CodeBook", "tools": "[]"},
+           "zero3_offload": {}}
+SAME_SAMPLES = ("generation_weights", "rows_per_generate")
 
 
 # The shipped recipes, shortened: what a run here may not write or wait for (a report, samples, trackers)
@@ -45,7 +52,7 @@ def agent_run(runs, model, config: str, variant: dict):
     """recipes/tiny/tool_grpo.yaml from `model`, 4 steps of 4 prompts x 4 trajectories at temperature 0.5, under
     `config` with `variant`; ddp's made in two invocations (stopped after step 2, then resumed)."""
     def make(folder):
-        processes = 1 if config == "single_gpu" else 2
+        processes = COLUMN[config].processes
         overrides = (*QUIET, f"model.name_or_path={model}", f"output.dir={folder}/{config}",
                      f"training.max_steps={STEPS}", "training.micro_batch_size=1",
                      f"training.grad_accum={4 // processes}", "training.lr=2e-4", "rl.num_generations=4",
@@ -67,12 +74,12 @@ def metrics(out) -> dict[tuple[int, str], float]:
     return {(r["step"], k): r[k] for r in read_metrics(out) for k in COMPARED if k in r}
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("config", list(VARIANT))
 def test_rollouts_with_a_tool_train_like_one_process(runs, tool_model_dir, config):
     from transformers import AutoModelForCausalLM
 
     variant = VARIANT[config]
-    single = agent_run(runs, tool_model_dir, "single_gpu", {k: v for k, v in variant.items() if k not in SHARDED_ONLY})
+    single = agent_run(runs, tool_model_dir, "single_gpu", {k: v for k, v in variant.items() if k not in SAME_SAMPLES})
     out = agent_run(runs, tool_model_dir, config, variant)
     ours, theirs = metrics(out), metrics(single)
     assert sorted(ours) == sorted(theirs) and {s for s, _ in ours} == set(range(1, STEPS + 1))

@@ -122,7 +122,6 @@ COMPILE_PROVEN = ("single", "ddp", "fsdp")
 STREAMING_PROVEN = ("single", "ddp", "fsdp", "zero3")
 ROUTER_GLOBAL_PROVEN = ("single", "ddp", "fsdp_ep")
 DISTILL_PROVEN = ("single", "ddp", "fsdp", "zero3")
-AGENT_PROVEN = ("single", "ddp", "fsdp", "zero3")
 
 
 def check_unproven(recipe: Recipe, label: str) -> None:
@@ -143,10 +142,6 @@ def check_unproven(recipe: Recipe, label: str) -> None:
         raise DisttrainError(f"training.objective=distill is not proven under {label} (proven: one process, "
                              f"ddp.yaml, fsdp.yaml, zero3.yaml: tests/test_distill_launch.py): use one of those, or "
                              f"set {ALLOW_UNVERIFIED}=1 to try it")
-    if t.objective == "grpo" and recipe.rl.agentic() and label not in AGENT_PROVEN:
-        raise DisttrainError(f"rl.tools / rl.environment (multi-turn rollouts) are not proven under {label} (proven: "
-                             f"one process, ddp.yaml, fsdp.yaml, zero3.yaml: tests/test_agent_launch.py): use one "
-                             f"of those, or set {ALLOW_UNVERIFIED}=1 to try it")
     if d.streaming and label not in STREAMING_PROVEN:
         raise DisttrainError(f"data.streaming=true is not proven under {label} (proven: one process, ddp.yaml, "
                              f"fsdp.yaml, zero3.yaml): use a map-style dataset (data.streaming=false), one of those "

@@ -355,11 +355,13 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_ep": Refused("training.objective=grpo " + EP_REFUSAL),
     },
     "agent": {
-        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
-                lambda c: Refused("rl.tools / rl.environment (multi-turn rollouts) are not proven under")),
         "single_gpu": Proven((f"{AGENT}[ddp]",), SINGLE_REFERENCE),
         "ddp": Proven((f"{AGENT}[ddp]",), "stopped after step 2 and resumed"),
-        "fsdp": Proven((f"{AGENT}[fsdp]",), "each layer gathered per token: generate() synced, every turn agreed"),
+        **_each(("fsdp", "hsdp"), lambda c: Proven(
+            (f"{AGENT}[{c}]",), "each layer gathered per token: generate() synced, every turn's calls agreed")),
+        **_each(("fsdp_offload", "zero3_offload"), lambda c: Proven((f"{AGENT}[{c}]",))),
+        "zero1": Proven((f"{AGENT}[zero1]",)),
+        "zero2": Proven((f"{AGENT}[zero2]",), "a turn sampled in several generate calls (rl.rows_per_generate)"),
         "zero3": Proven((f"{AGENT}[zero3]",), "rl.environment (reset, its methods as tools, its reward); the "
                         "model gathered once per rollout"),
         **_each(SEQUENCE, lambda c: Refused("training.objective=grpo is not supported under")),

@@ -302,7 +302,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     lora = None
     weight_bytes, no_sync_bytes, loss_impl, reference, rollout, teacher = 2.0, 0.0, "chunked", "none", {}, {}
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
-    title = ""
+    title, multi_turn = "", ""
     if args.recipe or args.config:
         from transformers import AutoConfig
 
@@ -327,6 +327,11 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             if rollout:
                 reference = recipe.rl_reference()
                 seq_len, micro = args.seq_len or rollout.pop("seq_len"), args.micro_batch or rollout.pop("micro")
+                if recipe.rl.agentic():  # the same bound: a whole trajectory, its tools' replies included
+                    turns = recipe.rl.max_tool_calling_iterations
+                    multi_turn = (f", multi-turn with tools: a trajectory of at most {recipe.rl.max_completion_length}"
+                                  " tokens, the tools' replies included (prefilled, not sampled: the generated share "
+                                  f"is an upper bound), {turns + 1 if turns else 'unbounded'} turns at most")
             ckpt = ckpt or recipe.model.gradient_checkpointing
             weight_bytes = 0.5 if recipe.model.quantization else (4.0 if recipe.model.dtype == "float32" else 2.0)
             loss_impl = recipe.training.loss_impl
@@ -360,6 +365,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     if teacher:
         teacher["teacher_flops_per_token"] += teacher.pop("lmbda") * forward_flops_per_token(shape, seq_len)
         title += f", teacher {teacher.pop('name')} ({teacher['teacher_params'] / 1e9:.1f}B, frozen)"
+    title += multi_turn
     rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
                                                          "decode_tokens_per_s", "rollout_rows", "rollout_tokens")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
