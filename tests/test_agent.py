@@ -291,6 +291,7 @@ def test_the_sandbox_runs_code_in_a_subprocess_with_limits(tmp_path):
     assert "MemoryError" in run_python("x = bytearray(2 << 30)", memory_mb=256)
     assert run_python("raise SystemExit('bye')").strip() == "bye"
     assert run_python("import os; print(sorted(os.environ))").startswith("['HOME', 'LANG'")  # nothing inherited
+    assert run_python("import sys; print(sys.argv, __name__)") == "['-c'] __main__\n"  # as `python -c code`
 
 
 def test_make_cost_plans_a_trajectory_with_its_tools_replies(capsys, monkeypatch):

@@ -18,7 +18,6 @@ import sys
 import tempfile
 
 OUTPUT_CHARS = 2000  # what the model sees of a long output: its end (a traceback's last line is the useful one)
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 
 
 def python(code: str) -> str:
@@ -30,14 +29,35 @@ def python(code: str) -> str:
     return run_python(code)
 
 
+# The child's first lines, before the model's code: its limits and, where allowed, a network namespace without
+# interfaces. Run in the child's own interpreter rather than in a preexec_fn, which runs Python between fork and
+# exec and can deadlock a parent with threads (the trainer has many).
+_BOOTSTRAP = """
+import resource, sys
+seconds, memory = int(sys.argv[1]), int(sys.argv[2]) << 20
+resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
+except Exception:
+    pass
+code, sys.argv[:] = sys.argv[3], ["-c"]
+del resource, seconds, memory, sys
+exec(compile(code, "<code>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def run_python(code: str, seconds: float = 5.0, memory_mb: int = 1024) -> str:
-    """`code` run as `python -I -c code` under the limits above; its output, or what stopped it."""
+    """`code` run by `python -I` under the limits above; its output, or what stopped it."""
     with tempfile.TemporaryDirectory(prefix="disttrain-sandbox-") as scratch:
         environment = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
                        "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
-        child = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=scratch, env=environment,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 preexec_fn=lambda: _limit(seconds, memory_mb), start_new_session=True)
+        child = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, str(int(seconds) + 1), str(memory_mb), code],
+                                 cwd=scratch, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             output, _ = child.communicate(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -52,23 +72,6 @@ def run_python(code: str, seconds: float = 5.0, memory_mb: int = 1024) -> str:
                 "CPU-time limit" if name == "SIGXCPU" else name
             return f"{text}error: the program was stopped ({name}: {reason})".lstrip()
         return text if text else "(no output)"
-
-
-def _limit(seconds: float, memory_mb: int) -> None:
-    """In the child, before Python starts: its limits, and no network where user namespaces are allowed."""
-    import resource
-
-    cpu = int(seconds) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWUSER | _CLONE_NEWNET)  # fails quietly where refused
-    except Exception:  # noqa: BLE001 -- no namespaces here: the network stays, as the module's docstring says
-        pass
 
 
 def _kill(child: subprocess.Popen) -> None:
