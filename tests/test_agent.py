@@ -99,17 +99,24 @@ def _rl(**fields) -> RLSection:
     return RLSection(tools=[LOOKUP], rewards=[{"function": "recipes/tiny/tools.py:code_answer"}], **fields)
 
 
+def _question(word: str) -> str:
+    """The task's question, with its answer in it too (a mask found by searching the text would hit it there)."""
+    from disttrain.tools.tiny import code_of
+
+    return f"What is the code of {word}? It is not {code_of(word)}, is it?"
+
+
 def _play(tok, words: list[str], scripts_for, rl: RLSection):
     toolbox = Toolbox(rl)
     trajectories, scripts = [], {}
     for i, word in enumerate(words):
-        user = [{"role": "user", "content": f"What is the code of {word}?"}]
+        user = [{"role": "user", "content": _question(word)}]
         prompt = tok.apply_chat_template(user, tools=toolbox.schemas, tokenize=True, add_generation_prompt=True,
                                          return_dict=False)
         trajectories.append(agent.Trajectory(list(prompt), seed=i, tools=toolbox.callables(None)))
         scripts[tuple(prompt)] = scripts_for(user, word, toolbox.schemas)
     generate = Scripted(tok, scripts)
-    agent.roll_out(trajectories, generate, lambda rows: rows > 0, tok, toolbox, rl)
+    agent.roll_out(trajectories, generate, lambda rows: rows > 0, tok, toolbox, rl, [tok.eos_token_id])
     return trajectories, toolbox, generate
 
 
@@ -137,7 +144,7 @@ def test_tool_tokens_have_no_label_and_no_weight_in_the_loss_the_kl_or_the_ratio
     words = ["apple", "tiger"]  # "tiger" is also a code (of another word): the answer occurs in the prompt's
     played, toolbox, _ = _play(tok, words, script, rl)  # vocabulary
     for t, word in zip(played, words):
-        user = [{"role": "user", "content": f"What is the code of {word}?"}]
+        user = [{"role": "user", "content": _question(word)}]
         reply = {"role": "tool", "name": "lookup", "content": code_of(word)}
         call_turn = _turn(tok, user, _call(word), toolbox.schemas)
         prompt_text = _rendered(tok, user, toolbox.schemas, True)
@@ -255,6 +262,23 @@ def test_tools_that_cannot_work_are_one_line_before_the_model_loads(fields, said
     assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("template", sorted(p.stem for p in TRL_TEMPLATES.glob("*.jinja")
+                                             if not p.stem.endswith("_training")))
+def test_every_published_template_is_taken_or_refused_in_one_line(template, tokenizer):
+    """TRL's copies of the published templates (Gemma 1-4, Phi-3, Llama 3, Cohere, DeepSeek, GPT-OSS, GLM, LFM,
+    Nemotron, Qwen 2.5-3.8, the VLMs'): a tool exchange renders and a response parser exists, or one line says
+    which is missing; never a traceback."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template, tok.response_template = (TRL_TEMPLATES / f"{template}.jinja").read_text(), None
+    try:
+        agent.check_template(tok, template)
+    except DisttrainError as exc:
+        assert "\n" not in str(exc) and ("cannot express tool calls" in str(exc) or "no response_template" in
+                                          str(exc)), str(exc)
+    else:
+        assert tok.response_template is not None or tok.response_schema is not None
+
+
 def test_templates_that_cannot_call_tools_are_one_line(tokenizer):
     from disttrain.tools.tiny import CHAT_TEMPLATE
 
@@ -303,3 +327,16 @@ def test_make_cost_plans_a_trajectory_with_its_tools_replies(capsys, monkeypatch
     main(["--recipe", "recipes/qwen3-1.7b/grpo_python_gsm8k.yaml", "--gpus", "8", "--tokens", "1e8", "--json"])
     model = json.loads(capsys.readouterr().out)["model"]
     assert "multi-turn with tools: a trajectory of at most 1536 tokens" in model and "4 turns at most" in model
+
+
+def test_a_turn_ends_where_generation_stops_even_when_that_is_not_the_tokenizers_eos(tokenizer):
+    tok = family_tokenizer(tokenizer, "qwen3", "as published")
+    reply = [{"role": "tool", "name": "lookup", "content": "cloud"}]
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    expected = agent.tool_turn_ids(tok, reply, [end_of_turn])
+    assert tok.decode(expected) == "\n<|im_start|>user\n<tool_response>\ncloud\n</tool_response><|im_end|>\n" \
+                                   "<|im_start|>assistant\n"
+    tok.eos_token = "<|endoftext|>"  # a base model's EOS; the generation config stops at <|im_end|> (Gemma-style)
+    assert agent.tool_turn_ids(tok, reply, [tok.eos_token_id, end_of_turn]) == expected
+    with pytest.raises(DisttrainError, match="ends an assistant turn with none of the tokens generation stops at"):
+        agent.tool_turn_ids(tok, reply, [tok.eos_token_id])

@@ -71,24 +71,26 @@ def check_template(tokenizer, name: str) -> None:
                              "tokenizer_config.json (docs/rl.md, 'Agents')")
 
 
-def tool_turn_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+def tool_turn_ids(tokenizer, tool_messages: list[dict], eos: list[int]) -> list[int]:
     """The tokens the chat template puts after an assistant turn that ended at EOS: the tool messages and the next
     assistant header. Found by rendering a short exchange with and without them (the real tool name: some
     templates name the tool in its message's header): what follows the EOS that ends the assistant's turn is
-    theirs. The turn is found by counting end-of-turn tokens, not by comparing the renderings' beginnings: a
-    template may render the last assistant turn differently from an earlier one (Qwen3 adds an empty think block
-    to the last), and the policy's own tokens are kept as it sampled them whichever way."""
+    theirs. The turn is found by counting end-of-turn tokens (`eos`: where the policy's turns end -- the
+    tokenizer's EOS and the generation config's, e.g. Gemma's <end_of_turn>), not by comparing the renderings'
+    beginnings: a template may render the last assistant turn differently from an earlier one (Qwen3 adds an empty
+    think block to the last), and the policy's own tokens are kept as it sampled them whichever way."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     before = list(tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False, return_dict=False))
     after = list(tokenizer.apply_chat_template(head + tool_messages, tokenize=True, add_generation_prompt=True,
                                                return_dict=False))
-    turns = sum(token == tokenizer.eos_token_id for token in before)
-    ends = [i for i, token in enumerate(after) if token == tokenizer.eos_token_id]
+    turns = sum(token in eos for token in before)
+    ends = [i for i, token in enumerate(after) if token in eos]
     if not turns or len(ends) < turns:
-        raise DisttrainError(f"rl.tools: the chat template does not end an assistant turn with the EOS token "
-                             f"({tokenizer.eos_token!r}), so the tools' replies cannot be placed after a sampled "
-                             "turn: set the tokenizer's eos_token to the template's end-of-turn token")
+        raise DisttrainError(f"rl.tools: the chat template ends an assistant turn with none of the tokens "
+                             f"generation stops at ({tokenizer.convert_ids_to_tokens(eos)}), so the tools' replies "
+                             "cannot be placed after a sampled turn: set the tokenizer's eos_token (or the generation "
+                             "config's eos_token_id) to the template's end-of-turn token")
     return after[ends[turns - 1] + 1:]
 
 
@@ -99,10 +101,11 @@ def parse_turn(tokenizer, ids: list[int], prefix: list[int], schemas: list[dict]
     return parse_response(tokenizer, ids, prefix=prefix, tools=schemas)
 
 
-def roll_out(trajectories: list[Trajectory], generate, more, tokenizer, toolbox, rl) -> None:
+def roll_out(trajectories: list[Trajectory], generate, more, tokenizer, toolbox, rl, eos: list[int]) -> None:
     """Every trajectory played to its end, in place. `generate(prompts, seeds, max_new_tokens)` samples one turn of
-    each row ((ids, truncated) each); `more(rows)` says whether any rank still has rows to sample (every rank
-    makes the same calls where generate() is synced) -- with none here, generate is called with no rows."""
+    each row ((ids, truncated) each), ending at a token of `eos`; `more(rows)` says whether any rank still has
+    rows to sample (every rank makes the same calls where generate() is synced) -- with none here, generate is
+    called with no rows."""
     active, turn = list(trajectories), 0
     while more(len(active)):
         budgets = [rl.max_completion_length - len(t.ids) for t in active]
@@ -121,16 +124,16 @@ def roll_out(trajectories: list[Trajectory], generate, more, tokenizer, toolbox,
             rounds_left = rl.max_tool_calling_iterations is None or t.turns <= rl.max_tool_calling_iterations
             if truncated:
                 t.truncated = True
-            elif calls and rounds_left and _call_tools(t, calls, tokenizer, toolbox, rl.max_completion_length):
+            elif calls and rounds_left and _call_tools(t, calls, tokenizer, toolbox, rl.max_completion_length, eos):
                 still.append(t)
         active, turn = still, turn + 1
 
 
-def _call_tools(t: Trajectory, calls: list[dict], tokenizer, toolbox, budget: int) -> bool:
+def _call_tools(t: Trajectory, calls: list[dict], tokenizer, toolbox, budget: int, eos: list[int]) -> bool:
     """The turn's calls run, their messages appended; False (nothing appended) when they would not fit."""
     replies = [toolbox.call(t.tools, call) for call in calls]
     messages = [{"role": "tool", "name": name, "content": content} for name, content, _ in replies]
-    suffix = tool_turn_ids(tokenizer, messages)
+    suffix = tool_turn_ids(tokenizer, messages, eos)
     t.calls += len(replies)
     t.failures += sum(failed for _, _, failed in replies)
     if len(t.ids) + len(suffix) >= budget:  # no room for the reply and a token after it: the trajectory ends here

@@ -237,7 +237,8 @@ class Rollouts:
         """generate(prompts, seeds, max_new_tokens) -> [(ids, truncated)] from the current policy, in eval mode
         under the run's autocast, held as RolloutWeights decides. Where generate() is synced the ranks agree on
         its calls (a resampling round or a turn of tool calls has more rows on some ranks, none on others: there
-        a throwaway row keeps the rank in step); `generate.synced` tells the caller."""
+        a throwaway row keeps the rank in step); `generate.synced` and `generate.eos` (where turns end) tell the
+        caller."""
         accelerator, rl, tokenizer = run.accelerator, self.rl, self.objective.tokenizer
         with contextlib.ExitStack() as stack:
             module, synced = stack.enter_context(self.weights.model(run.model, self._decode_shape()))
@@ -257,7 +258,7 @@ class Rollouts:
                                       synced, calls, max_new_tokens)
                 return flat[:rows]
 
-            generate.synced = synced
+            generate.synced, generate.eos = synced, eos
             yield generate
 
     def _play(self, run, prompt_batches: list[dict], groups: list[tuple[int, int, int]], seeds: list[int]) -> dict:
@@ -280,7 +281,7 @@ class Rollouts:
                     return rows > 0
                 return float(accelerator.reduce(torch.tensor([float(rows)], device=accelerator.device), "max")) > 0
 
-            agent.roll_out(played, generate, more, self.objective.tokenizer, toolbox, self.rl)
+            agent.roll_out(played, generate, more, self.objective.tokenizer, toolbox, self.rl, generate.eos)
         done = {}
         for i, (m, k, _) in enumerate(groups):
             self.trajectories[m, k] = played[i * group:(i + 1) * group]
