@@ -270,9 +270,11 @@ class Rollouts:
         for i, (m, k, _) in enumerate(groups):
             record = json.loads(prompt_batches[m]["record"][k])
             row = int(prompt_batches[m][PROMPT_INDEX][k])
+            prompt = None
             for g in range(group):
                 environment = next(environments)
-                prompt = self._agent_prompt(record, environment, row)
+                if environment is not None or prompt is None:  # without reset() text, one rendering per prompt
+                    prompt = self._agent_prompt(record, environment, row)
                 played.append(agent.Trajectory(prompt, seeds[i * group + g], toolbox.callables(environment),
                                                environment))
         with self._policy(run) as generate:

@@ -8,6 +8,12 @@ from harness import PASS, Ctx, Fail, read_metrics, recipe, require_finite_losses
 STEPS_PER_SETTING_STEP = 4  # 32 prompt batches on the GPU (8 x 4), 16 in the CPU dry run
 
 
+def _fifths(records: list[dict], key: str) -> tuple[float, float]:
+    """The mean of `key` over the first fifth of the logged steps and over the last fifth."""
+    fifth = max(len(records) // 5, 1)
+    return (sum(r[key] for r in records[:fifth]) / fifth, sum(r[key] for r in records[-fifth:]) / fifth)
+
+
 def grpo(ctx: Ctx) -> tuple[str, str]:
     """GRPO on the tiny tasks' prompts: finite losses at every step, the reward rising (its last fifth of steps
     above its first), the rollout throughput (completion tokens per second of sampling), the time split between
@@ -27,9 +33,7 @@ def grpo(ctx: Ctx) -> tuple[str, str]:
     _, log = train(ctx, "run", "single_gpu", tree)
     require_finite_losses(run, steps, log)
     records = [r for r in read_metrics(run) if "reward" in r]
-    fifth = max(len(records) // 5, 1)
-    first = sum(r["reward"] for r in records[:fifth]) / fifth
-    last = sum(r["reward"] for r in records[-fifth:]) / fifth
+    first, last = _fifths(records, "reward")
     if not last > first:
         raise Fail(f"the reward did not rise: {first:.3f} over the first fifth of {len(records)} steps, {last:.3f} "
                    "over the last", log)
@@ -200,9 +204,7 @@ def distill(ctx: Ctx) -> tuple[str, str]:
     _, log = train(ctx, "run", "single_gpu", tree)
     require_finite_losses(run, steps, log)
     records = [r for r in read_metrics(run) if "loss" in r]
-    fifth = max(len(records) // 5, 1)
-    first = sum(r["loss"] for r in records[:fifth]) / fifth
-    last = sum(r["loss"] for r in records[-fifth:]) / fifth
+    first, last = _fifths(records, "loss")
     if not last < first:
         raise Fail(f"the divergence did not fall: {first:.4f} over the first fifth of {len(records)} steps, "
                    f"{last:.4f} over the last", log)
