@@ -4,7 +4,7 @@ tool_grpo.yaml, shortened: these runs are the two recipes' preflight, tests/test
 data-parallel config -- DDP stopped after step 2 and resumed, FSDP2 and HSDP gathering each layer per token
 (generate() synced: the ranks agree on every turn's calls), ZeRO-3 with the task as an environment -- each equal
 to one process step by step (loss, rewards, the tools' counts), tools called and their replies inside the logged
-trajectories, the final model loading."""
+trajectories, the final model loading; and ZeRO-3's run again through `make train-zero3`, the real launcher."""
 
 from __future__ import annotations
 
@@ -48,16 +48,20 @@ def tool_model_dir(runs, tiny_model_dir):
     return runs.get("agent-tool-sft", make)
 
 
+def overrides_of(model, out, processes: int, variant: dict) -> tuple[str, ...]:
+    """The shipped recipe shortened: 4 steps of 4 prompts x 4 trajectories at temperature 0.5 into `out`."""
+    return (*QUIET, f"model.name_or_path={model}", f"output.dir={out}", f"training.max_steps={STEPS}",
+            "training.micro_batch_size=1", f"training.grad_accum={4 // processes}", "training.lr=2e-4",
+            "rl.num_generations=4", "rl.temperature=0.5", "logging.every_steps=1",
+            *(f"rl.{k}={v}" for k, v in variant.items()))
+
+
 def agent_run(runs, model, config: str, variant: dict):
     """recipes/tiny/tool_grpo.yaml from `model`, 4 steps of 4 prompts x 4 trajectories at temperature 0.5, under
     `config` with `variant`; ddp's made in two invocations (stopped after step 2, then resumed)."""
     def make(folder):
         processes = COLUMN[config].processes
-        overrides = (*QUIET, f"model.name_or_path={model}", f"output.dir={folder}/{config}",
-                     f"training.max_steps={STEPS}", "training.micro_batch_size=1",
-                     f"training.grad_accum={4 // processes}", "training.lr=2e-4", "rl.num_generations=4",
-                     "rl.temperature=0.5", "logging.every_steps=1",
-                     *(f"rl.{k}={v}" for k, v in variant.items()))
+        overrides = overrides_of(model, f"{folder}/{config}", processes, variant)
         recipe = REPO / "recipes/tiny/tool_grpo.yaml"
         if config == "ddp":
             assert_ok(launch(config, recipe, nproc=processes, overrides=(*overrides, "training.stop_at_step=2")))
@@ -93,3 +97,22 @@ def test_rollouts_with_a_tool_train_like_one_process(runs, tool_model_dir, confi
     if "environment" in variant:  # its own reward, beside the function's: the right word looked up
         assert any(v > 0 for (_, k), v in theirs.items() if k == "rewards/CodeBook/mean")
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_the_real_launcher_plays_tools_as_the_warm_one(runs, tool_model_dir, tmp_path):
+    """`make train-zero3` (accelerate launch as a user types it) with the environment: every step as the warm
+    launcher's run."""
+    from disttrain.recipe.schema import load_recipe, recipe_to_dict
+    from strategy_runs import make_train
+
+    variant = VARIANT["zero3"]
+    recipe = load_recipe(REPO / "recipes/tiny/tool_grpo.yaml", overrides_of(tool_model_dir, tmp_path / "run", 2,
+                                                                             variant))
+    path = tmp_path / "tool_grpo.yaml"
+    path.write_text(__import__("yaml").safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    assert "processes=2" in make_train("train-zero3", path, "GPUS=2")
+    warm = metrics(agent_run(runs, tool_model_dir, "zero3", variant))
+    ours = metrics(tmp_path / "run")
+    assert sorted(ours) == sorted(warm)
+    for key, value in warm.items():
+        assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

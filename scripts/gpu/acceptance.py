@@ -83,10 +83,11 @@ launch` of the small model (hidden 512, 4 layers, seq 512, 8 steps) is ~8-15 s t
     wheels ~30 s, model + corpus ~10 s, doctor_nccl ~15 s                                      ~55 s
     full_bf16_single 28, _fsdp 30, _zero2 38, _zero3 40, streaming_resume 28 (2 launches each); lora_ddp 15,
     lora_fsdp 18, qlora_ddp 18, qlora_fsdp 20, adamw_8bit 15, dpo 50, grpo 40, grpo_engines 120 (a 0.75B
-    model, two launches, one compiling), reward_model 20, distill 30, vlm_fsdp 25,
-    vlm_zero3 35, moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without flash-attn: ~2 s)  635 s
+    model, two launches, one compiling), reward_model 20, agent 45 (SFT then GRPO with a tool), distill 30,
+    vlm_fsdp 25, vlm_zero3 35, moe_lora 25, packing_sdpa 35, packing_flash_attention_2 35 (a SKIP without
+    flash-attn: ~2 s)                                                                                           680 s
     (moe_ep2 55, grpo_gather_fsdp2 / _zero3 and the other multi-GPU items SKIP on the one lent GPU: ~2 s each)
-    in all; 3 side by side: ~210-235 s
+    in all; 3 side by side: ~225-250 s
     fsdp_sync_memory 30, mfu 90 (0.84B build ~20 s + 2 launches of 20 steps), loss_memory 80 (8 launches)  ~200 s
     total ~8 min with --jobs 3 (default --budget 470 s: the whole run stays under 8 min); --jobs 1
     would need ~8 min, so the last items may be SKIPped for the budget.
@@ -125,7 +126,7 @@ from items.finetune import adamw_8bit, full_finetune  # noqa: E402
 from items.measure import doctor_nccl, fsdp_sync_memory, loss_memory, mfu, offload_activations  # noqa: E402
 from items.moe import moe_expert_parallel, moe_lora  # noqa: E402
 from items.packing import packing  # noqa: E402
-from items.rl import distill, grpo, grpo_engines, grpo_gather, reward_model  # noqa: E402
+from items.rl import agent, distill, grpo, grpo_engines, grpo_gather, reward_model  # noqa: E402
 from items.vision import vision_language  # noqa: E402
 from kit_install import install_wheels, wheels_line  # noqa: E402
 
@@ -170,6 +171,7 @@ ITEMS = [
     Item("grpo_gather_fsdp2", partial(grpo_gather, config="fsdp"), 100, 300, False),  # SKIP below 2 GPUs
     Item("grpo_gather_zero3", partial(grpo_gather, config="zero3"), 120, 300, False),  # SKIP below 2 GPUs
     Item("reward_model", reward_model, 20, 90, True),
+    Item("agent", agent, 45, 200, True),  # an SFT warm start, then GRPO calling a tool over several turns
     Item("distill", distill, 30, 150, True),  # two models on the GPU: the teacher frozen beside the student
     Item("vlm_fsdp", partial(vision_language, config="fsdp"), 25, 120, True),
     Item("vlm_zero3", partial(vision_language, config="zero3"), 35, 150, True),

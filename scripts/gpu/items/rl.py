@@ -214,3 +214,49 @@ def distill(ctx: Ctx) -> tuple[str, str]:
                        peak_mem_gb=peak)
     return PASS, (f"{steps} steps, divergence {first:.4f} -> {last:.4f}; {speed:.0f} tokens/s (median), "
                   f"peak {peak:.2f} GB")
+
+
+def agent(ctx: Ctx) -> tuple[str, str]:
+    """Multi-turn rollouts with a tool on one GPU in bf16: the acceptance model (the tiny tokenizer: its chat
+    template lists tools, its response template parses calls) warm-started by SFT on the shipped tool-calling
+    transcripts, then GRPO with recipes/tiny/tools.py:lookup -- each turn one generate() on the GPU, the tool run
+    in a thread beside it, its reply appended and masked. Finite losses in both runs; on the GPU the tool called
+    (tools/call_frequency above 0.3 over the run) and its replies inside the logged trajectories; the rollout
+    throughput, the sampling share of the step, the tools' counts and the peak memory recorded."""
+    from disttrain.runtime.launcher import REPO
+
+    sft_steps, steps = ctx.s.steps * 50, ctx.s.steps * STEPS_PER_SETTING_STEP
+    sft = ctx.item_dir / "sft"
+    tree = recipe(ctx, sft, data={"path": str(REPO / "data/tiny_tool_sft.jsonl"), "format": "chat", "packing": False,
+                                  "max_seq_len": 384},
+                  training={"max_steps": sft_steps, "micro_batch_size": 16, "grad_accum": 1, "lr": 2e-3,
+                            "lr_scheduler": "cosine", "warmup_steps": 10},
+                  output={"checkpoint_at_end": False})
+    _, log = train(ctx, "sft", "single_gpu", tree)
+    require_finite_losses(sft, sft_steps, log)
+    run = ctx.item_dir / "run"
+    tree = recipe(ctx, run, data={"path": str(REPO / "data/tiny_tool_prompts.jsonl"), "format": "prompt",
+                                  "packing": False, "max_seq_len": 320},
+                  training={"objective": "grpo", "max_steps": steps, "micro_batch_size": 4, "grad_accum": 1,
+                            "lr": 2e-4, "lr_scheduler": "constant", "warmup_steps": 0},
+                  rl={"num_generations": 8, "max_completion_length": 96, "temperature": 0.5,
+                      "max_tool_calling_iterations": 2, "tools": [f"{REPO}/recipes/tiny/tools.py:lookup"],
+                      "rewards": [{"function": f"{REPO}/recipes/tiny/tools.py:code_answer"}]},
+                  output={"save_final_model": False, "checkpoint_at_end": False})
+    tree["model"]["name_or_path"] = str(sft / "final")
+    _, log = train(ctx, "run", "single_gpu", tree)
+    require_finite_losses(run, steps, log)
+    records = [r for r in read_metrics(run) if "tools/call_frequency" in r]
+    calls = sum(r["tools/call_frequency"] for r in records) / max(len(records), 1)
+    replies = any("<|im_start|>tool" in c["completion"] for r in read_metrics(run) for c in r.get("completions", []))
+    if ctx.s.device == "cuda" and not (calls > 0.3 and replies):
+        raise Fail(f"the warm-started policy called the tool {calls:.2f} times a completion (expected above 0.3), "
+                   f"its replies {'' if replies else 'not '}in the logged trajectories", log)
+    throughput = sorted(r["rollout_tokens_per_s"] for r in records)[len(records) // 2]
+    rollout_share = sum(r["rollout_s"] for r in records) / max(sum(r["step_time_s"] for r in records), 1e-9)
+    peak = max(r.get("peak_mem_gb", 0.0) for r in read_metrics(run))
+    ctx.figures.update(tool_calls_per_completion=calls, tool_replies_logged=replies,
+                       tool_failures_per_call=sum(r["tools/failure_frequency"] for r in records) / max(len(records), 1),
+                       rollout_tokens_per_s_median=throughput, rollout_s_over_step_s=rollout_share, peak_mem_gb=peak)
+    return PASS, (f"{sft_steps} SFT + {steps} GRPO steps; {calls:.2f} tool calls a completion; rollouts "
+                  f"{throughput:.0f} tokens/s (median), {rollout_share:.0%} of the step; peak {peak:.2f} GB")
