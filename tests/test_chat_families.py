@@ -309,6 +309,31 @@ def test_a_short_answer_that_occurs_in_the_question_is_never_learned_there(famil
     assert "".join(text[start:end].split()) == "A" + tok.eos_token
 
 
+# one-letter turns, each a letter of the families' markup (`<|im_start|>`, `<|im_end|>`, `<|eot_id|>`, `[INST]`,
+# `<end_of_turn>`, `</s>`): found inside a special token's text, they once moved the span there
+LETTERS = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "d"},
+           {"role": "user", "content": "t"}, {"role": "assistant", "content": "e"}]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_letter_turns_that_occur_inside_the_markup_mask_exactly(family, tokenizer):
+    """The defect found with KTO's data: a user's "a" was found in `<|im_start|>` and a reply "d" in
+    `<|im_end|>`, so the whole prompt after it was learned. Every family now equals its template's own mask or
+    refuses in one line (the conversation has no system turn and plain one-letter contents)."""
+    plain = family_tokenizer(tokenizer, family, "compact", markers=False)
+    marked = family_tokenizer(tokenizer, family, "compact", markers=True)
+    try:
+        ours = tokenize_record({"messages": LETTERS}, plain, section())
+    except DataError as err:
+        assert "\n" not in str(err)
+        return
+    truth = marked.apply_chat_template(LETTERS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    truth_labels = [t if m else IGNORE_INDEX for t, m in zip(truth["input_ids"], truth["assistant_masks"])]
+    assert target_runs(plain, ours["input_ids"], ours["labels"]) == target_runs(plain, truth["input_ids"],
+                                                                                truth_labels)
+    assert ours["labels"] == truth_labels
+
+
 def test_layouts_learned_from_the_templates(tokenizer):
     layouts = {f: turn_layout(family_tokenizer(tokenizer, f, "compact", markers=False)) for f in FAMILIES}
     assert layouts["llama2"].header == ("[/INST]",) and layouts["llama2"].end == "</s>"  # header-less

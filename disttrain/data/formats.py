@@ -11,6 +11,8 @@
                responses are scored); when chosen and rejected are whole conversations (they open with the
                user's turn), the prompt is what they share and a "prompt" field is ignored (Anthropic HH,
                UltraFeedback layouts)
+    unpaired   {"prompt", "completion", "label"}: one response judged alone (TRL's unpaired preference layout for
+               KTO): prompt and completion as in preference, label true (desirable) or false (undesirable)
     prompt     {"prompt", "tools"?, any other columns}: a string (used as it is, or as the user's turn with the
                source's chat_prompt) or chat messages ending with the user's turn (chat template applied with the
                generation prompt): online RL (docs/rl.md); the other columns go to the reward functions
@@ -218,6 +220,30 @@ def _preference(record, source) -> PreferencePair:
 
 
 @dataclass
+class UnpairedExample:
+    """One unpaired preference record (KTO): the prompt's messages, the response's, and whether it is desirable."""
+
+    prompt: list[dict]
+    completion: list[dict]
+    desirable: bool
+    tools: list[dict] | None = None
+
+
+def _unpaired(record, source) -> UnpairedExample:
+    keys = {name: column(source, name) for name in ("prompt", "completion", "label")}
+    prompt = _turns(_field(record, source, "prompt"), keys["prompt"], "user")
+    completion = _turns(_field(record, source, "completion"), keys["completion"], "assistant")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{keys['completion']!r} has no assistant message to score")
+    label = _field(record, source, "label")
+    if not isinstance(label, bool):
+        raise DataError(f"{keys['label']!r} must be true or false (is the completion desirable?), got "
+                        f"{type(label).__name__} {label!r:.40}")
+    tools = _json_list(_field(record, source, "tools", required=False), column(source, "tools"))
+    return UnpairedExample(_with_system(prompt, source.system_prompt), completion, label, tools)
+
+
+@dataclass
 class Prompt:
     """One prompt for online RL: plain text (used as it is) or a conversation ending with the user's turn."""
 
@@ -243,9 +269,11 @@ def _prompt(record, source) -> Prompt:
 
 
 _READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt, "text": _text, "preference": _preference,
-            "prompt": _prompt}
+            "unpaired": _unpaired, "prompt": _prompt}
 
 
-def to_example(record: Mapping, source: SourceSection) -> Conversation | str | PreferencePair | Prompt:
-    """The record as a conversation (alpaca, chat, sharegpt), a document (text), a preference pair or a prompt."""
+def to_example(record: Mapping, source: SourceSection) -> (Conversation | str | PreferencePair | UnpairedExample
+                                                            | Prompt):
+    """The record as a conversation (alpaca, chat, sharegpt), a document (text), a preference pair, an unpaired
+    example or a prompt."""
     return _READERS[source.format](record, source)

@@ -14,10 +14,11 @@ from disttrain.recipe.schema import DataSection, SourceSection, looks_local
 from disttrain.data.formats import to_example
 from disttrain.data.mixing import SOURCE_KEY, mix, per_source
 from disttrain.data.packing import DocumentChunker, pack_rows
-from disttrain.data.preference import PAIR_INDEX, render_pair, tokenize_pairs
+from disttrain.data.preference import PAIR_INDEX, render_pair, render_response, tokenize_pairs
 from disttrain.data.prompts import PROMPT_INDEX, prompt_text, tokenize_prompts
 from disttrain.data.sources import load_split, validate_local_file
 from disttrain.data.templates import IGNORE_INDEX, Rendered, render, tokenize_rendered
+from disttrain.data.unpaired import tokenize_examples, with_kl_partners
 from disttrain.data.vision import IMAGES_KEY, vision_of
 from disttrain.errors import DataError
 
@@ -61,8 +62,9 @@ def _example_fields(ids: list[int], labels: list[int], section: DataSection) -> 
 def tokenize_batch(records: list, tokenizer, section: DataSection, source: SourceSection, where=None) -> dict:
     """Records -> columns input_ids, labels (IGNORE_INDEX on non-targets), n_targets, n_tokens, truncated.
     Each conversation is rendered once; all texts of the batch go through one fast-tokenizer call.
-    Preference records give data.preference.PAIR_COLUMNS instead, prompts data.prompts.PROMPT_COLUMNS.
-    `where(i)` names record i in an error (file:line or record index)."""
+    Preference records give data.preference.PAIR_COLUMNS instead, prompts data.prompts.PROMPT_COLUMNS, and KTO's
+    examples (unpaired records, or pairs split in two) data.unpaired.TOKEN_COLUMNS. `where(i)` names record i in
+    an error (file:line or record index)."""
     rendered = []
     name = where or (lambda i: f"record {i}")
     for i, record in enumerate(records):
@@ -74,6 +76,8 @@ def tokenize_batch(records: list, tokenizer, section: DataSection, source: Sourc
     if source.format == "prompt":
         return tokenize_prompts(rendered, records, tokenizer, section.max_seq_len,
                                 source.columns.get("prompt", "prompt"), name)
+    if section.unpaired_examples():
+        return tokenize_examples(rendered, tokenizer, section.max_seq_len)
     if source.format == "preference":
         return tokenize_pairs(rendered, tokenizer, section.max_seq_len)
     vision = vision_of(tokenizer)
@@ -98,6 +102,8 @@ def render_record(record, tokenizer, source: SourceSection):
         return prompt_text(example, tokenizer)
     if source.format == "preference":
         return render_pair(example, tokenizer)
+    if source.format == "unpaired":
+        return render_response(example.prompt, example.completion, example.tools, tokenizer), example.desirable
     images = getattr(example, "images", None)
     if not images:
         return render(example, tokenizer)
@@ -125,7 +131,7 @@ def _tokenize_source(raw, origin: str | None, tokenizer, section: DataSection, s
     def _tokenize(batch, indices):
         columns = tokenize_batch(_records_of(batch), tokenizer, section, source,
                                  where=lambda i: f"{name} ({source.label()}) record {indices[i]}")
-        return {**columns, SOURCE_KEY: [index] * len(indices)}
+        return {**columns, SOURCE_KEY: [index] * len(next(iter(columns.values())))}  # KTO: a pair gives 2 rows
 
     try:
         return raw.map(_tokenize, with_indices=True, batched=True, batch_size=MAP_BATCH,
@@ -203,6 +209,8 @@ def prepare(parts: list[Part], tokenizer, section: DataSection, seed: int, name:
         report.tokens = len(rows) * section.max_seq_len
         report.target_tokens = column_sum(rows, "n_targets")
         rows = rows.remove_columns("n_targets")
+    elif section.unpaired_examples():  # KTO: each example's KL partner, and the row's number (as a pair's)
+        rows = with_kl_partners(rows, section.max_seq_len, name, both_labels=name == "train")
     elif parts[0].source.format in ("preference", "prompt"):  # the row's number: a pair's precomputed reference
         index = PAIR_INDEX if parts[0].source.format == "preference" else PROMPT_INDEX  # log-probs, a prompt's seed
         rows = rows.map(lambda _, indices: {index: indices}, with_indices=True, batched=True,

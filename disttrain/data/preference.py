@@ -40,12 +40,13 @@ def _last_runs(labels: list[int], keep: int) -> list[int]:
     return [IGNORE_INDEX] * start + labels[start:]
 
 
-def _rendered(pair: PreferencePair, response: list[dict], tokenizer):
-    rendered = render(Conversation(pair.prompt + response, pair.tools), tokenizer)
+def render_response(prompt: list[dict], response: list[dict], tools: list[dict] | None, tokenizer):
+    """One response rendered with its prompt as one conversation, only the response's assistant turns scored."""
+    rendered = render(Conversation(prompt + response, tools), tokenizer)
     scored = sum(1 for m in response if m["role"] == "assistant")
     if rendered.text is not None:
         rendered.spans = rendered.spans[-scored:]  # the prompt's own assistant turns are context, not scored
-        rendered.opening = _opening(rendered.text, pair.prompt)
+        rendered.opening = _opening(rendered.text, prompt)
     else:
         rendered.labels = _last_runs(rendered.labels, scored)
     return rendered
@@ -59,11 +60,11 @@ def _opening(text: str, prompt: list[dict]) -> int:
     return max(at, 0)
 
 
-def _prompt_length(labels: list[int]) -> int:
+def prompt_length(labels: list[int]) -> int:
     return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
 
 
-def _targets(labels: list[int]) -> int:
+def targets(labels: list[int]) -> int:
     return len(labels) - labels.count(IGNORE_INDEX) - (labels[0] != IGNORE_INDEX) if labels else 0
 
 
@@ -74,7 +75,7 @@ def truncate_pair(chosen: tuple, rejected: tuple, max_len: int, bos_id: int | No
     left keeps only its first token if that is BOS (Gemma degrades badly without it)."""
     if max(len(chosen[0]), len(rejected[0])) <= max_len:
         return chosen[:2], rejected[:2], False
-    prompts = [_prompt_length(side[1]) for side in (chosen, rejected)]
+    prompts = [prompt_length(side[1]) for side in (chosen, rejected)]
     longest_response = max(len(side[0]) - p for side, p in zip((chosen, rejected), prompts))
     response_budget = min(longest_response, max(max_len - max(prompts), max_len // 2))
     prompt_budget = max_len - response_budget
@@ -91,7 +92,7 @@ def truncate_pair(chosen: tuple, rejected: tuple, max_len: int, bos_id: int | No
 
 def render_pair(pair: PreferencePair, tokenizer) -> tuple:
     """Both sides of a pair, each rendered with the prompt as one conversation."""
-    return tuple(_rendered(pair, side, tokenizer) for side in (pair.chosen, pair.rejected))
+    return tuple(render_response(pair.prompt, side, pair.tools, tokenizer) for side in (pair.chosen, pair.rejected))
 
 
 def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict:
@@ -107,7 +108,7 @@ def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict
         columns["rejected_input_ids"].append(rejected[0])
         columns["rejected_labels"].append(rejected[1])
         # a pair counts only when both sides keep a scored token (the minimum says so; the report sums both)
-        both = (_targets(chosen[1]), _targets(rejected[1]))
+        both = (targets(chosen[1]), targets(rejected[1]))
         columns["n_targets"].append(sum(both) if min(both) > 0 else 0)
         columns["n_tokens"].append(len(chosen[0]) + len(rejected[0]))
         columns["truncated"].append(truncated)
@@ -117,13 +118,17 @@ def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict
 @dataclass
 class PairCollator:
     """n pair rows -> 2n right-padded sequences (chosen first, then rejected) with an attention_mask, the
-    loop's bookkeeping per sequence, and each pair's PAIR_INDEX."""
+    loop's bookkeeping per sequence, and each pair's PAIR_INDEX. `sides`: the column prefixes of the two
+    sequences of a row (KTO's: the example and its KL partner, data/unpaired.py); `carried`: per-row columns
+    passed on as they are (one value per row)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    sides: tuple[str, str] = ("chosen_", "rejected_")
+    carried: tuple[str, ...] = ()
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [(r[f"{side}_input_ids"], r[f"{side}_labels"]) for side in ("chosen", "rejected") for r in rows]
+        sequences = [(r[f"{side}input_ids"], r[f"{side}labels"]) for side in self.sides for r in rows]
         longest = max(len(ids) for ids, _ in sequences)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -137,4 +142,5 @@ class PairCollator:
             batch[SQUARES_KEY].append(len(ids) ** 2)
         out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
         out[PAIR_INDEX] = torch.tensor([r.get(PAIR_INDEX, -1) for r in rows], dtype=torch.long)
+        out.update({key: torch.tensor([r[key] for r in rows]) for key in self.carried})
         return out

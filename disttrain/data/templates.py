@@ -179,29 +179,59 @@ def _refuse(k: int, what: str) -> DataError:
                      "(docs/data.md#chat-templates) or check the record against the model's template")
 
 
-def _find_message(text: str, content: str, cursor: int) -> int:
+def _find_text(text: str, needle: str, start: int, markup: list[tuple[int, int]]) -> int:
+    """text.find(needle, start), skipping occurrences that cut into a markup token: a one-letter reply "d" is
+    not the "d" of `<|im_end|>`, a user's "a" not the "a" of `<|im_start|>`."""
+    at = text.find(needle, start)
+    while at >= 0 and any(s < at + len(needle) and at < e and not (at <= s and e <= at + len(needle))
+                          for s, e in markup):
+        at = text.find(needle, at + 1)
+    return at
+
+
+def _find_message(text: str, content: str, cursor: int, markup: list[tuple[int, int]]) -> int:
     """End of a prompt message's content in the rendering after `cursor`, or -1. Templates write it as it is
     (trimmed) or as JSON (Llama-3.1's tool results)."""
     found = [(at, -len(c)) for c in (content, json.dumps(content, ensure_ascii=False))
-             if (at := text.find(c, cursor)) >= 0]
+             if (at := _find_text(text, c, cursor, markup)) >= 0]
     if not found:
         return -1
     at, minus_length = min(found)  # the first occurrence; at one place the JSON form, which encloses the text
     return at - minus_length
 
 
-def _message_end(text: str, message: dict, cursor: int) -> int:
-    """End of a prompt message in the rendering after `cursor`, or -1: its content, or each text part of a
-    content list in order (images between them are written as placeholders)."""
+def _message_end(text: str, message: dict, cursor: int, markup: list[tuple[int, int]]) -> tuple[int, int]:
+    """(start, end) of a prompt message in the rendering after `cursor`, or (-1, -1): its content, or each text
+    part of a content list in order (images between them are written as placeholders)."""
     content = message.get("content")
     pieces = ([p.get("text") or "" for p in content if isinstance(p, dict)] if isinstance(content, list)
               else [message_text(message)])
+    start = -1
     for piece in (p.strip() for p in pieces):
         if piece:
-            cursor = _find_message(text, piece, cursor)
+            cursor = _find_message(text, piece, cursor, markup)
             if cursor < 0:
-                return -1
-    return cursor
+                return -1, -1
+            start = cursor - len(piece) if start < 0 else start
+    return start, cursor
+
+
+def _reply_anchor(text: str, message: dict, cursor: int, layout: TurnLayout, markup: list[tuple[int, int]]) -> int:
+    """End of the message right before a reply: its first occurrence after `cursor` that the reply's header
+    follows, or its first occurrence where none does (header-less templates). A short message ("no", "a") also
+    occurs earlier, in text the template writes itself (Llama-3.1's "Cutting Knowledge Date", Qwen2.5's default
+    system prompt, Alpaca's "### Instruction"): the reply never starts there."""
+    first = -1
+    search = cursor
+    while True:
+        start, end = _message_end(text, message, search, markup)
+        if end < 0:
+            return first
+        if first < 0:
+            first = end
+        if start < 0 or _header_end(text, end, layout) >= 0:  # start < 0: no text to find (an image alone)
+            return end
+        search = start + 1
 
 
 def _header_end(text: str, cursor: int, layout: TurnLayout) -> int:
@@ -233,14 +263,16 @@ def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[in
     message only when nothing else precedes the reply: templates move it, into the first or the last user
     turn), so a reply can never start inside the prompt, even when its text also occurs there."""
     layout = turn_layout(tokenizer)
+    markup = [m.span() for m in layout.markup.finditer(text)] if layout.markup else []
     spans, cursor, waiting = [], 0, []
     for message in messages:
         if message["role"] != "assistant":
             waiting.append(message)
             continue
         prompt = [m for m in waiting if m["role"] != "system"] or waiting
-        for m in prompt:
-            found = _message_end(text, m, cursor)
+        for i, m in enumerate(prompt):
+            found = (_reply_anchor(text, m, cursor, layout, markup) if i == len(prompt) - 1 else
+                     _message_end(text, m, cursor, markup)[1])
             if found < 0 and m["role"] != "system":
                 raise _refuse(len(spans), f"the {m['role']} message before it is not found verbatim")
             cursor = max(cursor, found)
@@ -248,13 +280,14 @@ def assistant_spans(text: str, messages: list[dict], tokenizer) -> list[tuple[in
         k = len(spans)
         content = message_text(message).strip()
         start = _header_end(text, cursor, layout)
-        if start < 0:  # no header for this turn: the reply starts at its own content, with the whitespace the
-            at = text.find(content, cursor) if content else -1  # model writes before it (" answer</s>")
+        if start < 0:  # no header for this turn: the reply starts at its own content, with the whitespace
+            # the model writes before it (" answer</s>")
+            at = _find_text(text, content, cursor, markup) if content else -1
             if at < 0:
                 raise _refuse(k, "neither its header nor its content is found")
             start = cursor + len(text[cursor:at].rstrip())
             start += _layout_length(text[start:at])  # as after a header
-        at = text.find(content, start) if content else -1
+        at = _find_text(text, content, start, markup) if content else -1
         if at >= 0 and layout.end and layout.end in text[start:at]:
             at = -1  # that occurrence belongs to a later turn: the template rewrote this reply
         after = at + len(content) if at >= 0 else start

@@ -278,7 +278,8 @@ def precompute_reference(accelerator, model, objective: PreferenceLoss, loaders:
         save_file(tables, str(tmp), metadata=fingerprint)
         tmp.replace(path)
     accelerator.wait_for_everyone()
-    accelerator.print(f"preference: reference log-probs of {sum(t.shape[0] for t in tables.values())} pairs computed "
+    accelerator.print(f"preference: reference log-probs of {sum(t.shape[0] for t in tables.values())} "
+                      f"{objective.unit_name} computed "
                       f"with the initial weights -> {path}")
     return tables
 

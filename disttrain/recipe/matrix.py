@@ -114,7 +114,10 @@ FEATURES = (
     Feature("dpo", "DPO with a reference (full: precomputed, LoRA: adapters off)",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2")),
-    Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo",
+    Feature("kto", "KTO: unpaired examples, each with a KL partner (full: precomputed, LoRA: adapters off)",
+            ("training.objective=dpo", "data.path=data/tiny_kto.jsonl", "data.format=unpaired",
+             "data.eval_path=null", "training.max_steps=2", "preference.loss=kto")),
+    Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo, kto",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),
     Feature("grpo", "online RL: GRPO family (rollouts, rewards; the variants below)",
@@ -166,6 +169,7 @@ FTP = "tests/test_fsdp_tp.py"
 ULY = "tests/test_ulysses.py"
 CPT = "tests/test_context_parallel.py"
 PREF = "tests/test_preference_launch.py"
+KTO = "tests/test_kto_launch.py"
 DISTILL = ("tests/test_distill_launch.py::"
            "test_on_policy_distillation_trains_like_one_process_and_learns_the_teachers_task")
 AGENT = "tests/test_agent_launch.py::test_rollouts_with_a_tool_train_like_one_process"
@@ -195,8 +199,9 @@ def _each(configs, cell_for) -> dict[str, Cell]:
 ULYSSES_OR_CP = "is not supported under accelerate_configs/"
 # The preference runs take the losses in turn (pairwise coverage: each loss under some config, every config under
 # some loss; each loss equals TRL's in tests/test_preference.py; the sigmoid loss is the DPO tests' own).
-PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_offload": "simpo", "hsdp": "ipo",
-                   "zero1": "orpo", "zero2": "ipo", "zero3": "hinge", "zero3_offload": "simpo"}
+# kto there: LoRA (the adapters-off reference) on pairs split in two.
+PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_offload": "kto", "hsdp": "ipo",
+                   "zero1": "orpo", "zero2": "kto", "zero3": "simpo", "zero3_offload": "kto"}
 # The online-RL runs take the loss variants in turn (pairwise coverage: each variant under some config, every
 # data-parallel config under some variant; each loss equals TRL's in tests/test_policy_loss.py). Each is compared
 # with one process running the same variant.
@@ -337,6 +342,15 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("ddp", "fsdp", "fsdp_offload", *ZERO),
                 lambda c: Proven((f"{PREF}::test_full_dpo_matches_single_process[{c}]",))),
         "hsdp": _run("preference", "LoRA, preference.loss=ipo"),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),
+    },
+    "kto": {
+        "single_gpu": Proven((f"{KTO}::test_the_tiny_kto_recipe_learns_the_preference",), SINGLE_REFERENCE),
+        **_each(("ddp", "fsdp", "hsdp", "zero1", "zero3"),
+                lambda c: Proven((f"{KTO}::test_kto_trains_like_one_process[{c}]",))),
+        **_each(("fsdp_offload", "zero2", "zero3_offload"), lambda c: _run("preference", "LoRA, pairs split in two")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
         "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from disttrain.errors import RecipeError
 
@@ -54,11 +54,11 @@ class ModelSection(_Section):
         "freeze list is refused in one line")
 
 
-DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference", "prompt"]
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "preference", "unpaired", "prompt"]
 # the record fields each format reads; `columns` maps them to a dataset's own column names
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "chat": ("messages", "tools", "images"),
                  "sharegpt": ("conversations", "tools", "system", "images"), "text": ("text",),
-                 "prompt": ("prompt", "tools")}
+                 "unpaired": ("prompt", "completion", "label", "tools"), "prompt": ("prompt", "tools")}
 
 
 class _SourceFields(_Section):
@@ -90,7 +90,8 @@ class _SourceFields(_Section):
 
 class SourceSection(_SourceFields):
     path: str = Field(description="Local .jsonl/.json/.parquet file, or a `datasets` hub name")
-    format: DataFormat = Field(description="alpaca, chat, sharegpt, text, preference or prompt (docs/data.md)")
+    format: DataFormat = Field(description="alpaca, chat, sharegpt, text, preference, unpaired or prompt "
+                               "(docs/data.md)")
     name: str | None = Field(None, description="Shown in reports and eval metrics; default: the file's stem")
     weight: float = Field(1.0, gt=0, description="Sampling probability in the mixture (normalised over sources; "
                           "a small source is oversampled, not cut)")
@@ -103,7 +104,8 @@ class DataSection(_SourceFields):
     path: str | None = Field(None, description="One source: a local .jsonl/.json/.parquet file or glob "
                              "(data/part-*.jsonl), or a `datasets` hub name")
     format: DataFormat | None = Field(None, description="alpaca, chat, sharegpt, text (docs/data.md), preference "
-                                      "(DPO pairs, docs/preference.md) or prompt (online RL, docs/rl.md)")
+                                      "(DPO pairs, docs/preference.md), unpaired (KTO's {prompt, completion, "
+                                      "label}) or prompt (online RL, docs/rl.md)")
     sources: list[SourceSection] | None = Field(None, description="A mixture instead of path/format: a list of "
                                                 "{path, format, name, weight, split, eval_*, columns, roles, "
                                                 "system_prompt}, sampled by weight")
@@ -132,6 +134,13 @@ class DataSection(_SourceFields):
                             "tokenised and packed on the fly, each rank its own shards, nothing cached; "
                             "needs training.max_steps (docs/data.md; the configs it is proven under: "
                             "docs/compatibility.md)")
+    # set by the recipe (preference.loss: kto): records become KTO's examples, each with a KL partner
+    _unpaired: bool = PrivateAttr(False)
+
+    def unpaired_examples(self) -> bool:
+        """Whether records are prepared as KTO's unpaired examples (data/unpaired.py): the recipe says so when
+        training.objective is dpo with preference.loss: kto."""
+        return self._unpaired
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -219,11 +228,16 @@ class TrainingSection(_Section):
 
 class PreferenceSection(_Section):
     """training.objective: dpo. Losses as in TRL: sigmoid (DPO), ipo, hinge (with a reference), simpo and orpo
-    (reference-free)."""
+    (reference-free), kto (unpaired examples, with a reference)."""
 
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = Field("sigmoid", description="The DPO-family loss "
-                                                                      "(each checked against TRL's)")
-    beta: float = Field(0.1, gt=0, description="DPO/IPO/hinge/SimPO temperature; ORPO: the odds-ratio weight lambda")
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo", "kto"] = Field(
+        "sigmoid", description="The DPO-family loss (each checked against TRL's); kto: KTO on examples judged one "
+        "by one (data.format: unpaired, or preference pairs split in two; docs/preference.md)")
+    beta: float = Field(0.1, gt=0, description="DPO/IPO/hinge/SimPO/KTO temperature; ORPO: the odds-ratio weight "
+                        "lambda")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: the weight of desirable examples' losses (TRL's "
+                                    "desirable_weight)")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of undesirable examples' losses")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid and simpo: the probability that a "
                                    "pair's preference is flipped (conservative DPO)")
     simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin gamma")
@@ -606,11 +620,16 @@ class Recipe(_Section):
 
     def _check_objective(self) -> None:
         formats = [s.format for s in self.data.all_sources()]
-        pairs = [f == "preference" for f in formats]
         objective = self.training.objective
+        kto = objective == "dpo" and self.preference.loss == "kto"
+        self.data._unpaired = kto
+        pairs = [f == "preference" for f in formats]
         if objective not in ("dpo", "reward") and any(pairs):
             raise ValueError("data.format: preference holds {prompt, chosen, rejected} pairs: set "
                              "training.objective: dpo or reward (or give SFT data)")
+        if not kto and "unpaired" in formats:
+            raise ValueError("data.format: unpaired holds {prompt, completion, label} examples judged one by one: set "
+                             "training.objective: dpo with preference.loss: kto (or give preference pairs)")
         if objective not in ("grpo", "distill") and "prompt" in formats:
             raise ValueError("data.format: prompt holds prompts without answers: set training.objective: grpo (online "
                              "RL, docs/rl.md) or distill, or give data with answers")
@@ -622,7 +641,10 @@ class Recipe(_Section):
             self._check_reward_model(pairs)
         if objective != "dpo":
             return
-        self._check_pairs(pairs)
+        if kto:
+            self._check_unpaired(formats)
+        else:
+            self._check_pairs(pairs)
         if self.training.loss_impl != "chunked":
             raise ValueError("training.objective: dpo computes its log-probs with the chunked loss: remove "
                              f"training.loss_impl: {self.training.loss_impl}")
@@ -706,6 +728,16 @@ class Recipe(_Section):
         if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
             raise ValueError(f"training.objective: {objective} keeps each pair's chosen and rejected side by side in "
                              "one micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+
+    def _check_unpaired(self, formats: list[str]) -> None:
+        """preference.loss: kto -- examples judged one by one: unpaired records, or pairs split in two."""
+        if any(f not in ("unpaired", "preference") for f in formats):
+            raise ValueError("preference.loss: kto needs data.format: unpaired ({prompt, completion, label} records) "
+                             "or preference (pairs, split into a desirable and an undesirable example) for every "
+                             "source")
+        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
+            raise ValueError("preference.loss: kto pairs each example with another's response for its KL estimate: "
+                             "data.packing, concat_and_chunk and streaming are not supported with it")
 
     def _check_reward_model(self, pairs: list[bool]) -> None:
         self._check_pairs(pairs)
