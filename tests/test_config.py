@@ -53,8 +53,8 @@ def test_every_shipped_recipe_states_its_checkpoint_cadence():
     ("training.micro_batch_size=0",
      "training.micro_batch_size (set on the command line): Input should be greater than or equal to 1"),
     ("data.format=csv",
-     "data.format (set on the command line): Input should be 'alpaca', 'chat', 'sharegpt', 'text', 'preference' or "
-     "'prompt'"),
+     "data.format (set on the command line): Input should be 'alpaca', 'chat', 'sharegpt', 'text', 'preference', "
+     "'unpaired' or 'prompt'"),
     ("data.path=missing.jsonl", "data.path: data file 'missing.jsonl' not found"),
 ])
 def test_bad_values_name_the_key_and_the_file(recipe_file, override, needle):

@@ -152,7 +152,7 @@ def test_strategy_advice_agrees_between_recipe_readme_planner_and_slurm(capsys):
                 f"{name}: launches {strategy}, `make cost` recommends {pick['strategy']}"
         assert SHOWN_AS[strategy] in suggested[name], f"docs/recipes.md suggests {suggested[name]!r} for {name}"
         checked.append(name)
-    assert len(checked) == 22
+    assert len(checked) == 23
     sbatch = (REPO / "scripts/slurm/train.sbatch").read_text()
     default = re.search(r"STRATEGY=\$\{STRATEGY:-(\w+)\}", sbatch).group(1), \
         re.search(r"RECIPE=\$\{RECIPE:-(\S+)\}", sbatch).group(1)

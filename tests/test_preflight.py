@@ -27,6 +27,7 @@ SHIPPED = {
     "qwen2.5-1.5b/cpt.yaml": "zero2",
     "tiny/dpo.yaml": "zero3",  # precomputed reference log-probs under ZeRO-3, read back on resume
     "qwen2.5-7b/dpo_lora.yaml": "ddp",  # reference = the base with the adapters disabled
+    "qwen2.5-7b/kto_lora.yaml": "ddp",  # KTO on unpaired examples, the adapters-off reference
     # mixture of experts (shrunk to 4 experts, 2 per token), router loss on: LoRA on attention and the fused
     # experts under ZeRO-3 (MoE blocks as leaf modules) and FSDP2; the full fine-tune under FSDP2
     "qwen3-30b-a3b/lora_sft.yaml": "zero3",
@@ -57,9 +58,11 @@ MOE = [recipe for recipe in SHIPPED if recipe.startswith(("qwen3-30b-a3b/", "mix
 EXPERT_PARALLEL = ("qwen3-30b-a3b/full_sft_ep.yaml", "qwen3-30b-a3b/lora_sft_ep.yaml", "mixtral-8x7b/lora_sft_ep.yaml")
 
 
-# the tiny tool recipes: launched as shipped (shortened) in tests/test_agent_launch.py, the SFT warm start and GRPO
-# from it under one process, DDP (resumed), FSDP2 and ZeRO-3, the final model loading
-LAUNCHED = ("tiny/tool_sft.yaml", "tiny/tool_grpo.yaml")
+# launched as shipped (shortened) by their own tests: the tiny tool recipes in tests/test_agent_launch.py (the SFT
+# warm start and GRPO from it under one process, DDP (resumed), FSDP2 and ZeRO-3, the final model loading), the
+# tiny KTO recipe in tests/test_kto_launch.py (one process, DDP, FSDP2, HSDP, ZeRO-1, ZeRO-3)
+LAUNCHED = {"tiny/tool_sft.yaml": "test_agent_launch.py", "tiny/tool_grpo.yaml": "test_agent_launch.py",
+            "tiny/kto.yaml": "test_kto_launch.py"}
 
 
 def test_every_shipped_recipe_is_covered():
@@ -68,7 +71,7 @@ def test_every_shipped_recipe_is_covered():
     shipped = {str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes").rglob("*.yaml")}
     assert set(EP_RECIPES) == set(EXPERT_PARALLEL)
     assert shipped == set(SHIPPED) | set(EXPERT_PARALLEL) | set(LAUNCHED)
-    assert all(f"recipes/{recipe}" in (REPO / "tests/test_agent_launch.py").read_text() for recipe in LAUNCHED)
+    assert all(f"recipes/{recipe}" in (REPO / "tests" / test).read_text() for recipe, test in LAUNCHED.items())
 
 
 # what preflight proves is that the recipe trains, checkpoints, resumes and exports; the end-of-run samples and

@@ -8,6 +8,7 @@
     collation.py   rows -> batches (padding, flash-attention layout, bookkeeping for the loop)
     pipeline.py    the whole path, run on the main process first
     preference.py  {prompt, chosen, rejected} pairs: tokenised with truncation, batched side by side (DPO)
+    unpaired.py    KTO's examples ({prompt, completion, label}, or pairs split in two), each with a KL partner
     prompts.py     prompts for online RL: rendered with the generation prompt, their records kept for rewards
     streaming.py   data.streaming: the same path lazily, per rank, with the stream position in checkpoints
 

@@ -2,13 +2,14 @@
 preparation before the first update, behind one interface (base.py):
 
     sft.py           supervised fine-tuning
-    dpo.py           preference tuning: DPO, IPO, hinge, SimPO, ORPO
+    dpo.py           preference tuning: DPO, IPO, hinge, SimPO, ORPO, KTO
     base.py          the seams: Objective (collator, loss, prepare, steps) and Loss (what the loop calls)
     token_loss.py    LossEngine, the component every loss holds: lm_head -> cross-entropy a chunk at a time, no
                      full logits (or plain / TRL's fused head), the model family's transforms and MoE router
                      loss, the start-up self-check; TokenLoss, SFT's loss over it
     fused_head.py    training.loss_impl: trl -- TRL's fused LM head as the engine instead (for comparison)
     preference.py    the pair losses, their chunked gradient, the reference (precomputed / live / adapters off)
+    kto.py           KTO on examples judged one by one: its loss, z (the KL estimate from mismatched examples)
     grpo.py          online RL: the objective, its step source (Rollouts: sample, score, train) and loss
     rollout.py       completions sampled from the current policy (one batched generate per rank), laid out as
                      training rows

@@ -114,9 +114,10 @@ FEATURES = (
     Feature("dpo", "DPO with a reference (full: precomputed, LoRA: adapters off)",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2")),
+    # its runs share the preference runs' recipe (the pairs, split in two); PREFERENCE_LOSS sets kto there
     Feature("kto", "KTO: unpaired examples, each with a KL partner (full: precomputed, LoRA: adapters off)",
-            ("training.objective=dpo", "data.path=data/tiny_kto.jsonl", "data.format=unpaired",
-             "data.eval_path=null", "training.max_steps=2", "preference.loss=kto")),
+            ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
+             "data.eval_path=null", "training.max_steps=2")),
     Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo, kto",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),

@@ -30,7 +30,7 @@ from disttrain.metrics.log import read_metrics
 MODEL_CONFIGS = REPO / "model_configs"
 TINY_DATA = {"alpaca": "data/tiny_alpaca.jsonl", "chat": "data/tiny_chat.jsonl", "text": "data/tiny_text.jsonl",
              "sharegpt": "data/tiny_sharegpt.jsonl", "preference": "data/tiny_dpo.jsonl",
-             "prompt": "data/tiny_prompts.jsonl"}
+             "unpaired": "data/tiny_kto.jsonl", "prompt": "data/tiny_prompts.jsonl"}
 TINY_VISION_DATA = {"chat": "data/tiny_vlm.jsonl", "sharegpt": "data/tiny_llava.jsonl"}  # a vision-language model's
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 TINY_EXPERTS = 4

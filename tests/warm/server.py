@@ -179,7 +179,7 @@ def _serve_launch(conn: socket.socket) -> int | None:
     import accelerate.commands.launch as accelerate_launch
     import torch.distributed.run as distrib_run
 
-    launch = _Launch(conn)
+    launch = _Launch(conn, env)
     distrib_run.run = launch.torchrun  # what accelerate calls for every multi-process launch
     accelerate_launch._run_subprocess = launch.single  # ... and for a single process (simple_launcher)
     sys.argv = ["accelerate-launch", *argv]
@@ -202,8 +202,15 @@ class _Launch:
     """One launch's workers: started by fork, watched like torchrun watches them (one fails: the others are
     stopped), and killed if the client goes away."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, request_env: dict):
         self.conn = conn
+        self.request_env = request_env
+
+    def _launcher_env(self) -> dict:
+        """This launch process's environment as torchrun would pass it on: mlflow's import (through DeepSpeed's
+        launch path, here in the launch process) writes a telemetry session id into os.environ, which a real
+        worker has only once it imports mlflow itself."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("_MLFLOW_") or k in self.request_env}
 
     def torchrun(self, args) -> None:
         nnodes = str(args.nnodes)
@@ -215,7 +222,7 @@ class _Launch:
         run_id = f"warm-{os.getpid()}"
         envs = []
         for rank in range(nproc):
-            envs.append({**os.environ, "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0",
+            envs.append({**self._launcher_env(), "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0",
                          "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
                          "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
                          "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
