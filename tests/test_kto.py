@@ -86,17 +86,10 @@ def test_chunked_kto_equals_autograd_through_full_logits(lora, tiny_model_dir, t
     """KTOLoss.training_loss (the partners' no-grad pass, z, the loss made inside lm_head) has the value and the
     gradients of KTO computed by autograd from the full logits; the reference precomputed (full) or the adapters
     disabled (LoRA)."""
-    from transformers import AutoModelForCausalLM
+    from test_preference import seeded_model
 
     def model():
-        torch.manual_seed(1)
-        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                             lora_dropout=0.0, init_lora_weights=False))
-        return m
+        return seeded_model(tiny_model_dir, lora)
 
     def sequence_logps(m, batch):
         logits = m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -108,22 +108,27 @@ def _pair_batch(pad_id: int):
     return PairCollator(pad_id)(rows)
 
 
+def seeded_model(model_dir, lora: bool):
+    """The tiny model, the same weights at every call; with LoRA, adapters not at zero (their gradients show)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                         lora_dropout=0.0, init_lora_weights=False))
+    return m
+
+
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo", "orpo"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_chunked_gradient_equals_autograd_through_full_logits(loss, lora, tiny_model_dir, tokenizer):
     """The loss made inside lm_head (log-probs without gradients, then one weighted chunked pass) has the value
     and the gradients of the same loss computed by autograd from the full logits."""
-    from transformers import AutoModelForCausalLM
-
     def model():
-        torch.manual_seed(1)
-        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                             lora_dropout=0.0, init_lora_weights=False))
-        return m
+        return seeded_model(tiny_model_dir, lora)
 
     cfg = PreferenceSection(loss=loss, beta=0.5)
     batch = _pair_batch(tokenizer.pad_token_id)

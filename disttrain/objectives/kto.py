@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from disttrain.data.preference import PAIR_INDEX
 from disttrain.data.unpaired import DESIRABLE
-from disttrain.objectives.preference import PreferenceLoss
+from disttrain.objectives.preference import PreferenceLoss, with_margin_and_sets
 from disttrain.recipe.schema import PreferenceSection
 
 # per example: reward and log-prob on its class's column, the class counts; per micro-batch: z and a count
@@ -146,7 +146,4 @@ class KTOLoss(PreferenceLoss):
         good, bad = max(float(total[3]), 1.0), max(float(total[5]), 1.0)
         record = {"eval_loss": float(total[0]) / examples, "eval_rewards/chosen": float(total[2]) / good,
                   "eval_rewards/rejected": float(total[4]) / bad, "eval_kl": float(total[6]) / examples}
-        record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
-        record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
-                       if name != "eval"})
-        return record
+        return with_margin_and_sets(record, sums)

@@ -232,6 +232,12 @@ def pair_eval_record(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     pairs = max(float(total[1]), 1.0)
     record = {"eval_loss": float(total[0]) / pairs, "eval_rewards/chosen": float(total[2]) / pairs,
               "eval_rewards/rejected": float(total[3]) / pairs, "eval_rewards/accuracy": float(total[4]) / pairs}
+    return with_margin_and_sets(record, sums)
+
+
+def with_margin_and_sets(record: dict[str, float], sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """An eval record with eval_rewards/margin and, for a mixture, eval_loss/<set> (each set's summed rows:
+    loss first, then the count)."""
     record["eval_rewards/margin"] = record["eval_rewards/chosen"] - record["eval_rewards/rejected"]
     record.update({f"eval_loss/{name}": float(s[0]) / max(float(s[1]), 1.0) for name, s in sums.items()
                    if name != "eval"})
