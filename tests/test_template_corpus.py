@@ -339,6 +339,20 @@ def test_community_templates_as_published_mask_exactly(name, conversation, token
 
 
 @pytest.mark.parametrize("name", list(COMMUNITY))
+@pytest.mark.parametrize("variant", [None, "blank_lines"])
+def test_community_templates_mask_one_letter_turns_that_occur_inside_their_markup(name, variant, tokenizer):
+    """One-letter turns ("a", "d", "t", "e": letters of `<|im_start|>`, `<|im_end|>`, `[INST]`, `</s>`) on the
+    templates as published and written without whitespace control: exact, never found inside a special token
+    or text the template writes itself (test_chat_families.LETTERS)."""
+    from test_chat_families import LETTERS
+
+    spec = COMMUNITY[name]
+    template = spec["template"] if variant is None else _respaced(spec["template"], **VARIANTS[variant])
+    plain, marked = _pair(tokenizer, spec, template)
+    assert _exact_or_one_line(plain, marked, LETTERS) == "exact"
+
+
+@pytest.mark.parametrize("name", list(COMMUNITY))
 @pytest.mark.parametrize("variant", ["blank_lines", "crlf"])
 def test_community_templates_respaced_mask_exactly(name, variant, tokenizer):
     spec = COMMUNITY[name]
