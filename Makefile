@@ -110,7 +110,7 @@ CLUSTER_VARS = SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(if $(filter hsdp fsdp_tp f
 	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP))
 
 .PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
-	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-rollouts bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
+	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-rollouts bench-pairs bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
 
 help: ## list targets and variables
 	@echo "disttrain — make <target> [VAR=value ...]"
@@ -260,6 +260,9 @@ bench-experts: setup ## expert parallelism vs FSDP2 alone on a mixture of expert
 
 bench-rollouts: tiny ## online RL's sampling per run of RUNS (strategy[:per_layer]) on RL_RECIPE: rollout s vs the first run, sampling share, rewards equal -> bench/rollouts/
 	$(PY) -m disttrain.bench.rollouts --recipe $(RL_RECIPE) --runs $(RUNS) --steps $(ROLLOUT_STEPS) --nproc $(GPUS) $(ARGS)
+
+bench-pairs: tiny ## preference tuning padded vs padding-free (data.packing) on long-tailed pair lengths: real tokens/s, losses equal -> bench/pairs/
+	$(PY) -m disttrain.bench.pairs $(ARGS)
 
 bench-long: setup ## peak memory per rank at one long sequence, ZeRO-3 vs ZeRO-3 + Ulysses (sp 1, 2) -> bench/long/
 	$(PY) -m disttrain.bench.long --nproc $(GPUS) $(ARGS)

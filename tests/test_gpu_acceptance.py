@@ -41,7 +41,7 @@ def test_acceptance_dry_run_records_every_item(tmp_path):
     full = rows["full_bf16_single"]["figures"]
     assert full["steps"] == 4 and full["resumed_at"] == 2 and full["max_rel_loss_diff"] <= 1e-5
     packing = rows["packing_sdpa"]["figures"]
-    assert packing["isolated"] and packing["eval_rel_diff"] <= 1e-4
+    assert packing["isolated"] and packing["eval_rel_diff"] <= 1e-4 and packing["pairs_eval_rel_diff"] <= 1e-4
     assert rows["doctor_nccl"]["figures"]["all_reduce bandwidth"].startswith("PASS")
 
     failed = rows[FORCED_FAIL]

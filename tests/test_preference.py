@@ -241,7 +241,7 @@ def test_objective_and_reference_settings_are_checked():
     assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo + ["preference.loss=simpo"]).reference_mode() == "none"
     cases = [(["training.objective=dpo"], "needs data.format: preference"),
              (dpo[1:], "set training.objective: dpo"),
-             (dpo + ["data.packing=true"], "packing, concat_and_chunk and streaming are not supported"),
+             (dpo + ["data.streaming=true"], "concat_and_chunk and streaming are not supported"),
              (dpo + ["preference.loss=orpo", "preference.reference=precomputed"], "reference-free"),
              (dpo + ["preference.reference=none"], "compares the policy with a reference"),
              (dpo + ["training.loss_impl=plain"], "remove training.loss_impl: plain")]

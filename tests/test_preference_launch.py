@@ -1,6 +1,8 @@
 """Preference tuning under every strategy, launched as a user would: each strategy trains the model a single
 process trains (per-step loss, reward metrics, exported weights), full (precomputed reference) and LoRA (the
-adapters disabled as the reference); a stopped run resumes exactly and does not recompute the reference; the
+adapters disabled as the reference); padding-free pairs (data.packing) train what padded ones train (full
+fine-tuning under PADDING_FREE's strategies and the live reference's, against the padded single process); a
+stopped run resumes exactly and does not recompute the reference; the
 shipped tiny recipe learns its preference (accuracy above 0.9), with the metrics in metrics.jsonl and
 TensorBoard. Tolerances as in test_strategies.py (fp32: only summation order differs)."""
 
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.launch
 
 STEPS = 10
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+# full fine-tuning's runs under these strategies are padding-free (data.packing), the single process's padded
+PADDING_FREE = ("fsdp_offload", "zero2", "zero3_offload")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen")
 
 
@@ -68,11 +72,14 @@ def assert_same(a, b, rel, atol, accuracy=True, from_step=1):
 def dpo_run(runs, model_dir, pairs, strategy, lora):
     """The uninterrupted DPO run of `strategy` ("single_gpu": one process, micro-batch 2), launched once per
     session: the equivalence tests and the uninterrupted half of the resume test read it (its checkpoints
-    every 3 steps change nothing in what it trains). (out dir, stdout)."""
+    every 3 steps change nothing in what it trains; PADDING_FREE's full runs: padding-free pairs). (out dir,
+    stdout)."""
     def make(folder):
         single = strategy == "single_gpu"
+        packing = ["data.packing=true"] if strategy in PADDING_FREE and not lora else []
         proc = launch(strategy, recipe_for(folder, model_dir, pairs, "run", 2 if single else 1, lora,
-                                           checkpoint_every=3, keep_last=4), nproc=1 if single else 2)
+                                           checkpoint_every=3, keep_last=4), nproc=1 if single else 2,
+                      overrides=packing)
         assert_ok(proc)
         return folder / "run", proc.stdout
     return runs.get(f"dpo-{strategy}-{'lora' if lora else 'full'}", make)
@@ -104,10 +111,11 @@ def test_lora_dpo_matches_single_process(strategy, runs, tiny_model_dir, pairs):
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_a_live_reference_model_gives_what_the_precomputed_pass_gives(strategy, runs, tmp_path, tiny_model_dir, pairs):
     """preference.reference: model -- a frozen copy sharded like the policy (FSDP2 units, a ZeRO-3 inference
-    engine) scoring each micro-batch -- trains the single-process precomputed run's model."""
+    engine) scoring each micro-batch, on padding-free pairs -- trains the single-process precomputed run's model
+    (padded)."""
     out = tmp_path / strategy
     recipe = recipe_for(tmp_path, tiny_model_dir, pairs, strategy, 1, False)
-    proc = launch(strategy, recipe, overrides=["preference.reference=model"])
+    proc = launch(strategy, recipe, overrides=["preference.reference=model", "data.packing=true"])
     assert_ok(proc)
     assert "reference log-probs" not in proc.stdout  # nothing precomputed
     single_full = dpo_run(runs, tiny_model_dir, pairs, "single_gpu", False)[0]

@@ -24,7 +24,9 @@ LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop bef
 SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
 TARGETS_KEY = "num_targets"  # context parallelism: the targets of this process's part, counted before the cut
 IMAGES_COUNT_KEY = "num_images"  # vision-language rows: each row's images (the loss self-check's first row)
-BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY, IMAGES_COUNT_KEY)
+# padding-free pair batches (data/preference.py): the sequence each token belongs to, for per-sequence sums
+SEQUENCE_INDEX = "sequence_index"
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY, IMAGES_COUNT_KEY, SEQUENCE_INDEX)
 # position t's target, already shifted (transformers' name): set before a sequence is split across ranks
 # (context parallelism), where shifting inside each shard would lose the target at every shard boundary
 SHIFT_LABELS_KEY = "shift_labels"

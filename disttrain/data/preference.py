@@ -7,9 +7,14 @@ and the start of the responses: the responses get at least half of the row (or a
 the rest, cut in its middle (the oldest text after the opening); chosen and rejected lose the same prompt
 tokens. A pair left without a scored token on either side is dropped and counted.
 
-A batch of n pairs is 2n rows: the n chosen responses, then the n rejected ones, so both sides of a pair are
-always in the same micro-batch. `PAIR_INDEX` (the pair's row in the training set) lets precomputed
-reference log-probs be looked up.
+A batch of n pairs is 2n sequences: the n chosen responses, then the n rejected ones, so both sides of a pair
+are always in the same micro-batch. `PAIR_INDEX` (the pair's row in the training set) lets precomputed
+reference log-probs be looked up. Padded, each sequence is a row; padding-free (data.packing: true, as TRL's
+`padding_free`), the sequences are packed into as few rows as hold them, each row no wider than the longest
+sequence (first fit, longest first), with position ids restarting at 0 for each sequence (no attention across
+sequences: data/collation.py) and `SEQUENCE_INDEX` saying which sequence each token belongs to, so the
+objectives sum their per-token log-probs per sequence; for flash-attention, all in one row with the
+boundaries its varlen kernel reads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disttrain.data.collation import LENGTHS_KEY, SQUARES_KEY
+from disttrain.data.collation import LENGTHS_KEY, SEQUENCE_INDEX, SQUARES_KEY
 from disttrain.data.formats import Conversation, PreferencePair
 from disttrain.data.templates import IGNORE_INDEX, message_text, render, tokenize_rendered
 
@@ -117,30 +122,78 @@ def tokenize_pairs(rendered_pairs: list[tuple], tokenizer, max_len: int) -> dict
 
 @dataclass
 class PairCollator:
-    """n pair rows -> 2n right-padded sequences (chosen first, then rejected) with an attention_mask, the
-    loop's bookkeeping per sequence, and each pair's PAIR_INDEX. `sides`: the column prefixes of the two
-    sequences of a row (KTO's: the example and its KL partner, data/unpaired.py); `carried`: per-row columns
-    passed on as they are (one value per row)."""
+    """n pair rows -> their 2n sequences (chosen first, then rejected), right-padded with an attention_mask or
+    padding-free (`padding_free`; `flatten`: in one row, for flash-attention), the loop's bookkeeping per
+    row, and each pair's PAIR_INDEX. `sides`: the column prefixes of the two sequences of a row (KTO's: the
+    example and its KL partner, data/unpaired.py); `carried`: per-row columns passed on as they are (one value
+    per row)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
     sides: tuple[str, str] = ("chosen_", "rejected_")
     carried: tuple[str, ...] = ()
+    padding_free: bool = False
+    flatten: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [(r[f"{side}input_ids"], r[f"{side}labels"]) for side in self.sides for r in rows]
+        sequences = [(list(r[f"{side}input_ids"]), list(r[f"{side}labels"])) for side in self.sides for r in rows]
+        out = self._packed(sequences) if self.padding_free else self._padded(sequences)
+        out[PAIR_INDEX] = torch.tensor([r.get(PAIR_INDEX, -1) for r in rows], dtype=torch.long)
+        out.update({key: torch.tensor([r[key] for r in rows]) for key in self.carried})
+        return out
+
+    def _width(self, sequences: list[tuple]) -> int:
         longest = max(len(ids) for ids, _ in sequences)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return longest
+
+    def _padded(self, sequences: list[tuple]) -> dict[str, torch.Tensor]:
+        longest = self._width(sequences)
         batch = {"input_ids": [], "labels": [], "attention_mask": [], LENGTHS_KEY: [], SQUARES_KEY: []}
         for ids, labels in sequences:
             pad = longest - len(ids)
-            batch["input_ids"].append(list(ids) + [self.pad_token_id] * pad)
-            batch["labels"].append(list(labels) + [IGNORE_INDEX] * pad)
+            batch["input_ids"].append(ids + [self.pad_token_id] * pad)
+            batch["labels"].append(labels + [IGNORE_INDEX] * pad)
             batch["attention_mask"].append([1] * len(ids) + [0] * pad)
             batch[LENGTHS_KEY].append(len(ids))
             batch[SQUARES_KEY].append(len(ids) ** 2)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+    def _packed(self, sequences: list[tuple]) -> dict[str, torch.Tensor]:
+        """Rows of whole sequences, none wider than the longest sequence; padding (sequence index 2n: none of
+        them) as its own position block, so the block-diagonal mask keeps it away from real tokens. A
+        sequence's first token is no target (the previous sequence's last token would predict it)."""
+        lengths = [len(ids) for ids, _ in sequences]
+        width = sum(lengths) if self.flatten else self._width(sequences)
+        bins: list[list[int]] = []  # first fit, longest first: the rows' sequence numbers
+        for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
+            fit = next((b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= width), None)
+            if fit is None:
+                bins.append([i])
+            else:
+                fit.append(i)
+        batch = {"input_ids": [], "labels": [], "position_ids": [], SEQUENCE_INDEX: [], LENGTHS_KEY: [],
+                 SQUARES_KEY: []}
+        for members in sorted(bins, key=min):
+            row = {key: [] for key in ("input_ids", "labels", "position_ids", SEQUENCE_INDEX)}
+            for i in sorted(members):
+                ids, labels = sequences[i]
+                row["input_ids"] += ids
+                row["labels"] += [IGNORE_INDEX] + labels[1:]
+                row["position_ids"] += list(range(len(ids)))
+                row[SEQUENCE_INDEX] += [i] * len(ids)
+            used, pad = len(row["input_ids"]), width - len(row["input_ids"])
+            batch["input_ids"].append(row["input_ids"] + [self.pad_token_id] * pad)
+            batch["labels"].append(row["labels"] + [IGNORE_INDEX] * pad)
+            batch["position_ids"].append(row["position_ids"] + list(range(pad)))
+            batch[SEQUENCE_INDEX].append(row[SEQUENCE_INDEX] + [len(sequences)] * pad)
+            batch[LENGTHS_KEY].append(used)
+            batch[SQUARES_KEY].append(sum(lengths[i] ** 2 for i in members))
         out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
-        out[PAIR_INDEX] = torch.tensor([r.get(PAIR_INDEX, -1) for r in rows], dtype=torch.long)
-        out.update({key: torch.tensor([r[key] for r in rows]) for key in self.carried})
+        if self.flatten:  # transformers hands these to flash_attn_varlen_func as they are (data/collation.py)
+            starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            out.update({"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": max(lengths),
+                        "max_length_k": max(lengths), LENGTHS_KEY: torch.tensor(lengths),
+                        SQUARES_KEY: torch.tensor(lengths) ** 2})
         return out

@@ -4,6 +4,7 @@ first update (preference.py)."""
 
 from __future__ import annotations
 
+from disttrain.data.collation import flattens_packed_rows
 from disttrain.data.preference import PairCollator
 from disttrain.data.unpaired import DESIRABLE, KL_PREFIX
 from disttrain.objectives.kto import KTOLoss, balance_note
@@ -23,7 +24,8 @@ class DPO:
     def collator(self, tokenizer) -> PairCollator:
         if self.kto:  # each example, then its KL partner
             return PairCollator(tokenizer.pad_token_id, sides=("", KL_PREFIX), carried=(DESIRABLE,))
-        return PairCollator(tokenizer.pad_token_id)
+        return PairCollator(tokenizer.pad_token_id, padding_free=self.recipe.data.packing,
+                            flatten=flattens_packed_rows(self.recipe.model.attn_implementation))
 
     def loss(self, model) -> PreferenceLoss:
         return (KTOLoss if self.kto else PreferenceLoss)(model, self.recipe.preference, self.recipe.reference_mode())

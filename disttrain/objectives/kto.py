@@ -89,8 +89,9 @@ class KTOLoss(PreferenceLoss):
         self._kl: torch.Tensor | None = None  # this micro-batch's z and classes, set before the forward
         self._desirable: torch.Tensor | None = None
 
-    def _losses_from_logps(self, logps: torch.Tensor, labels: torch.Tensor):
-        """(losses, stats [examples, 6]) from the examples' summed log-probs (z, classes, reference set before)."""
+    def _losses_from_logps(self, logps: torch.Tensor, tokens: torch.Tensor | None):
+        """(losses, stats [examples, 6]) from the examples' summed log-probs (z, classes, reference set before;
+        KTO does not average per token: `tokens` unused)."""
         losses, rewards = kto_losses(self.cfg, logps, self._ref[0], self._desirable, self._kl)
         good = self._desirable.to(rewards.dtype)
         bad = 1 - good
@@ -136,7 +137,7 @@ class KTOLoss(PreferenceLoss):
             self._prepare(model, batch, logps[n:])
         finally:
             self.split = "train"
-        losses, stats = self._losses_from_logps(logps[:n], batch["labels"][:n])
+        losses, stats = self._losses_from_logps(logps[:n], None)
         return torch.stack([losses, torch.ones_like(losses), stats[:, 0], stats[:, 4], stats[:, 1], stats[:, 5],
                             self._kl.expand_as(losses)], dim=1)
 

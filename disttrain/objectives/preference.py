@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from disttrain.recipe.schema import PreferenceSection
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX
+from disttrain.data.collation import SEQUENCE_INDEX
 from disttrain.data.preference import PAIR_INDEX
 from disttrain.errors import DisttrainError
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
@@ -74,8 +75,24 @@ def pair_losses(cfg: PreferenceSection, chosen: torch.Tensor, rejected: torch.Te
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
-def _response_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return (labels[:, 1:] != IGNORE_INDEX).sum(-1)
+def sequence_sums(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[sequences] sums of per-token values laid out as chunked_token_losses lays them out (position t: the
+    target t + 1), whether each sequence is a row (padded; the last position has no target) or sequences share
+    rows (padding-free: `SEQUENCE_INDEX` says whose each position is; a sequence's first token is no target, so
+    no position predicts across a boundary)."""
+    segments = batch.get(SEQUENCE_INDEX)
+    if segments is None:
+        return per_token[:, :-1].sum(-1)
+    count = batch[PAIR_INDEX].numel() * 2
+    sums = per_token.new_zeros(count + 1)  # the last: padding's
+    return sums.index_add_(0, segments.reshape(-1), per_token.reshape(-1))[:count]
+
+
+def response_tokens(batch: dict) -> torch.Tensor:
+    """Scored tokens per sequence (the targets of its positions)."""
+    labels = batch["labels"]
+    targets = torch.cat([labels[:, 1:] != IGNORE_INDEX, labels.new_zeros(labels.shape[0], 1, dtype=torch.bool)], 1)
+    return sequence_sums(targets.long(), batch)
 
 
 class PreferenceLoss:
@@ -91,6 +108,7 @@ class PreferenceLoss:
         self.tables: dict[str, torch.Tensor] = {}  # precomputed: per split ("train", eval sets), [pairs, 2]
         self.split = "train"  # whose precomputed table the next micro-batches use
         self._ref: tuple[torch.Tensor, torch.Tensor] | None = None  # this micro-batch's, set before the forward
+        self._layout: dict = {}  # this micro-batch's pair index and (padding-free) sequence index, for lm_head
         self._last: torch.Tensor | None = None  # this micro-batch's [pairs, STATS + count], set by the forward
         self._window: torch.Tensor | None = None  # their sums since the last log line
 
@@ -101,6 +119,12 @@ class PreferenceLoss:
     def check_against_model(self, accelerator, model, batch: dict) -> None:
         """The engine's token loss against the model's own, on the first sequence (chosen) of the first pair."""
         self.engine.check_against_model(accelerator, model, batch)
+
+    @staticmethod
+    def layout(batch: dict) -> dict:
+        """What lm_head's forward needs besides its labels to sum per sequence: the pair count and, padding-free,
+        the sequence index."""
+        return {k: batch[k] for k in (PAIR_INDEX, SEQUENCE_INDEX) if k in batch}
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
@@ -115,9 +139,9 @@ class PreferenceLoss:
 
     # ---- the loss, inside lm_head's forward ----
 
-    def _losses_from_logps(self, logps: torch.Tensor, labels: torch.Tensor):
-        """(losses, stats [pairs, STATS + 1]) from the per-sequence log-probs of [chosen..., rejected...]."""
-        tokens = _response_tokens(labels)
+    def _losses_from_logps(self, logps: torch.Tensor, tokens: torch.Tensor):
+        """(losses, stats [pairs, STATS + 1]) from the per-sequence log-probs of [chosen..., rejected...] and
+        their scored tokens."""
         n = logps.shape[0] // 2
         ref = self._ref if self._ref is not None else (None, None)
         losses, reward_c, reward_r = pair_losses(self.cfg, logps[:n], logps[n:], tokens[:n], tokens[n:], *ref)
@@ -126,20 +150,25 @@ class PreferenceLoss:
         return losses, stats
 
     def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logps = -chunked_token_losses(hidden.detach(), self.head, labels).sum(-1)
+        layout = {**self._layout, "labels": labels}
+        logps = -sequence_sums(chunked_token_losses(hidden.detach(), self.head, labels), layout)
         leaf = logps.detach().requires_grad_()
         with torch.enable_grad():
-            losses, self._last = self._losses_from_logps(leaf, labels)
+            losses, self._last = self._losses_from_logps(leaf, response_tokens(layout))
             total = losses.sum()
         (grad,) = torch.autograd.grad(total, leaf)
         # d total / d (sequence log-prob) weights each sequence's tokens; log p = -cross-entropy
-        surrogate = chunked_loss_sum(hidden, self.head, labels, row_weights=-grad)
+        if SEQUENCE_INDEX in layout:  # a weight per position: its sequence's (padding's: 0)
+            weights = torch.cat([-grad, grad.new_zeros(1)])[layout[SEQUENCE_INDEX]]
+            surrogate = chunked_loss_sum(hidden, self.head, labels, position_weights=weights)
+        else:
+            surrogate = chunked_loss_sum(hidden, self.head, labels, row_weights=-grad)
         return surrogate - surrogate.detach() + total.detach()  # the loss's value, the loss's gradient
 
     def _sequence_logps(self, model, batch: dict) -> torch.Tensor:
         """Summed response log-probs per sequence, no gradients (per-token losses from the chunked head)."""
         with torch.no_grad():
-            return -self._chunked(model, batch)[:, :-1].sum(-1)
+            return -sequence_sums(self._chunked(model, batch), batch)
 
     def _reference_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.reference == "none":
@@ -167,8 +196,8 @@ class PreferenceLoss:
             return logps[:n], logps[n:]
         if self.reference == "model":
             with torch.no_grad(), self._autocast():
-                logps = -self._reference_scorer.output(self._reference_model, batch, self._inputs(batch)).logits[
-                    :, :-1].sum(-1)
+                logps = -sequence_sums(self._reference_scorer.output(self._reference_model, batch,
+                                                                 self._inputs(batch)).logits, batch)
             n = logps.shape[0] // 2
             return logps[:n], logps[n:]
         raise DisttrainError(f"preference.reference: {self.reference} is unknown")
@@ -180,6 +209,7 @@ class PreferenceLoss:
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         self._ref = self._reference_logps(model, batch)
+        self._layout = self.layout(batch)
         out = self.engine.output(model, batch, self._inputs(batch))
         stats = self._last.double().sum(0)  # stays on the device until a log line
         self._window = stats if self._window is None else self._window + stats
@@ -200,7 +230,7 @@ class PreferenceLoss:
         finally:
             self.split = "train"
         logps = self._sequence_logps(model, batch)
-        return pair_eval_rows(*self._losses_from_logps(logps, batch["labels"]))
+        return pair_eval_rows(*self._losses_from_logps(logps, response_tokens(batch)))
 
     def eval_record(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         return pair_eval_record(sums)

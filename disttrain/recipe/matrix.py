@@ -118,6 +118,9 @@ FEATURES = (
     Feature("kto", "KTO: unpaired examples, each with a KL partner (full: precomputed, LoRA: adapters off)",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2")),
+    Feature("dpo_padding_free", "padding-free pairs (data.packing with the DPO family)",
+            ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
+             "data.eval_path=null", "training.max_steps=2", "data.packing=true")),
     Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo, kto",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "preference.loss=ipo")),
@@ -352,6 +355,20 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("ddp", "fsdp", "hsdp", "zero1", "zero3"),
                 lambda c: Proven((f"{KTO}::test_kto_trains_like_one_process[{c}]",))),
         **_each(("fsdp_offload", "zero2", "zero3_offload"), lambda c: _run("preference", "LoRA, pairs split in two")),
+        **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
+        **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
+        "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),
+    },
+    # the preference runs of the configs whose loss is not KTO's (KTO's rows stay padded), one padded elsewhere
+    "dpo_padding_free": {
+        **_each(("single_gpu", *DATA_PARALLEL), lambda c: _run("preference", f"LoRA, preference.loss="
+                                                             f"{PREFERENCE_LOSS[c]}")),
+        **_each(("fsdp", "zero3"), lambda c: Proven(
+            (f"{PREF}::test_a_live_reference_model_gives_what_the_precomputed_pass_gives[{c}]",),
+            "full, a live reference sharded like the policy, equal to one padded process")),
+        **_each(("fsdp_offload", "zero2", "zero3_offload"), lambda c: Proven(
+            (f"{PREF}::test_full_dpo_matches_single_process[{c}]",),
+            "full, precomputed reference, equal to one padded process")),
         **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
         "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),

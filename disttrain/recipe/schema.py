@@ -112,7 +112,8 @@ class DataSection(_SourceFields):
     max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated (format "
                              "prompt: the longest prompt; a longer one stops the run in one line)")
     packing: bool = Field(False, description="Several records per row, none attending to another (position ids "
-                          "restart per record)")
+                          "restart per record); training.objective dpo: each micro-batch's sequences padding-free "
+                          "(as TRL's padding_free), the same pairs per micro-batch")
     text_field: str = Field("text", description="format text: the column holding the text")
     messages_field: str = Field("messages", description="format chat: the column holding the messages")
     concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
@@ -720,14 +721,18 @@ class Recipe(_Section):
             raise ValueError("training.objective: distill is built for text models: remove data.image_dir")
 
     def _check_pairs(self, pairs: list[bool]) -> None:
-        """What the pair objectives (dpo, reward) need of their data: pairs, chosen and rejected side by side."""
+        """What the pair objectives (dpo, reward) need of their data: pairs, chosen and rejected side by side
+        (padding-free with data.packing: dpo's sequences; a reward model's score head reads each row's last
+        token, so its rows stay padded)."""
         objective = self.training.objective
         if not all(pairs):
             raise ValueError(f"training.objective: {objective} needs data.format: preference ({{prompt, chosen, "
                              "rejected} records) for every source")
-        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
+        if self.data.concat_and_chunk or self.data.streaming or (self.data.packing and objective == "reward"):
             raise ValueError(f"training.objective: {objective} keeps each pair's chosen and rejected side by side in "
-                             "one micro-batch: data.packing, concat_and_chunk and streaming are not supported with it")
+                             "one micro-batch: " + ("data.packing, " if objective == "reward" else "") +
+                             "concat_and_chunk and streaming are not supported with it" +
+                             ("" if objective == "reward" else " (data.packing is: padding-free pairs)"))
 
     def _check_unpaired(self, formats: list[str]) -> None:
         """preference.loss: kto -- examples judged one by one: unpaired records, or pairs split in two."""
@@ -737,7 +742,8 @@ class Recipe(_Section):
                              "source")
         if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
             raise ValueError("preference.loss: kto pairs each example with another's response for its KL estimate: "
-                             "data.packing, concat_and_chunk and streaming are not supported with it")
+                             "data.packing (padding-free batches: the DPO family's), concat_and_chunk and streaming "
+                             "are not supported with it")
 
     def _check_reward_model(self, pairs: list[bool]) -> None:
         self._check_pairs(pairs)

@@ -50,7 +50,9 @@ Items (--items a,b,c picks some; default all, started in the order below):
     packing_{sdpa,flash_attention_2}
                               scripts/gpu/packing_isolation.py says packed examples are isolated, and train.py's
                               eval loss of the initial weights is the same packed and unpacked (rel 1e-2 in
-                              bf16); flash_attention_2 SKIPs when flash_attn does not import
+                              bf16), and so is ORPO's on preference pairs padded and padding-free (flash: one row,
+                              its boundaries to the varlen kernel); flash_attention_2 SKIPs when flash_attn does
+                              not import
     fsdp_sync_memory          FSDP2, grad_accum 4: peak GPU memory with distributed.fsdp_sync_each_micro_batch
                               true vs false (INFO: at world size 1 the shard is the whole model)
     mfu                       scripts/bench/gpu_figures.py --configs single,fsdp (0.84B model): its table copied

@@ -1,5 +1,5 @@
-"""Packing items: packed examples isolated under sdpa and flash-attention (model level, packing_isolation.py)
-and the same eval loss packed and unpacked through train.py."""
+"""Packing items: packed examples isolated under sdpa and flash-attention (model level, packing_isolation.py),
+the same eval loss packed and unpacked through train.py, and preference pairs padding-free as padded."""
 
 from __future__ import annotations
 
@@ -52,6 +52,37 @@ def packing(ctx: Ctx, attn: str) -> tuple[str, str]:
     if rel > ctx.s.eval_rtol:
         raise Fail(f"eval loss at init: packed {evals['packed']:.6g} vs unpacked {evals['unpacked']:.6g} "
                    f"(rel {rel:.3g} > {ctx.s.eval_rtol:g})", log)
+    pairs_rel = _padding_free_pairs(ctx, attn)
     return PASS, (f"isolated (max abs diff {isolation['max_abs_diff']:.2g}); eval loss at init packed "
-                  f"{evals['packed']:.5g} = unpacked {evals['unpacked']:.5g} (rel {rel:.2g} <= {ctx.s.eval_rtol:g})")
+                  f"{evals['packed']:.5g} = unpacked {evals['unpacked']:.5g} (rel {rel:.2g} <= {ctx.s.eval_rtol:g}); "
+                  f"preference pairs padding-free = padded (rel {pairs_rel:.2g})")
+
+
+def _padding_free_pairs(ctx: Ctx, attn: str) -> float:
+    """Preference pairs padding-free (flash: one row, its boundaries to the varlen kernel) vs padded: ORPO's eval
+    loss of the initial weights (reference-free: the policy's own log-probs, so the layout shows) through
+    train.py. Returns the relative difference."""
+    evals = {}
+    for packed in (True, False):
+        label = f"pairs_{'padding_free' if packed else 'padded'}"
+        run = ctx.item_dir / label
+        tree = recipe(ctx, run, model={"attn_implementation": attn},
+                      data={"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference", "packing": packed,
+                            "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": min(ctx.s.seq, 128)},
+                      training={"objective": "dpo", "max_steps": 1, "lr": 1e-30, "lr_scheduler": "constant",
+                                "warmup_steps": 0, "eval_every": 1},
+                      preference={"loss": "orpo"},
+                      output={"save_final_model": False, "checkpoint_at_end": False})
+        _, log = train(ctx, label, "single_gpu", tree)
+        found = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
+        if len(found) != 1 or not math.isfinite(found[0]):
+            raise Fail(f"{label}: expected one finite eval_loss in metrics.jsonl, got {found}", log)
+        evals[label] = found[0]
+    rel = abs(evals["pairs_padding_free"] - evals["pairs_padded"]) / abs(evals["pairs_padded"])
+    ctx.figures.update(pairs_eval_loss_padding_free=evals["pairs_padding_free"],
+                       pairs_eval_loss_padded=evals["pairs_padded"], pairs_eval_rel_diff=rel)
+    if rel > ctx.s.eval_rtol:
+        raise Fail(f"preference pairs, eval loss at init: padding-free {evals['pairs_padding_free']:.6g} vs padded "
+                   f"{evals['pairs_padded']:.6g} (rel {rel:.3g} > {ctx.s.eval_rtol:g})")
+    return rel
 

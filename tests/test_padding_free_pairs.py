@@ -1,0 +1,147 @@
+"""Padding-free pair batches (data.packing with training.objective: dpo; data/preference.py's PairCollator): the
+layout, and every DPO-family loss, its gradients, its statistics, its eval rows and its reference log-probs equal
+to the padded batch's on the same pairs (full and LoRA; sdpa, eager and transformers' flash path)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from conftest import REPO
+from disttrain.data import IGNORE_INDEX, PAIR_INDEX, PairCollator
+from disttrain.data.collation import SEQUENCE_INDEX
+from disttrain.errors import RecipeError
+from disttrain.objectives.preference import PreferenceLoss, response_tokens, sequence_sums
+from disttrain.recipe.schema import PreferenceSection, load_recipe
+from test_preference import seeded_model
+
+# chosen / rejected lengths with a long tail: padded, 8 rows of 23; padding-free, 4 rows
+LENGTHS = [(9, 4), (3, 23), (12, 6), (5, 7)]
+
+
+def _rows() -> list[dict]:
+    """Pairs of a shared prompt (its tokens unscored) and two responses of the lengths above."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for index, (c, r) in enumerate(LENGTHS):
+        prompt = torch.randint(3, 200, (2,), generator=g).tolist()
+        row = {PAIR_INDEX: index}
+        for side, n in (("chosen_", c), ("rejected_", r)):
+            response = torch.randint(3, 200, (n - 2,), generator=g).tolist()
+            row[f"{side}input_ids"] = prompt + response
+            row[f"{side}labels"] = [IGNORE_INDEX] * 2 + response
+        rows.append(row)
+    return rows
+
+
+def test_padding_free_rows_hold_whole_sequences_apart_and_fewer_of_them():
+    padded, packed = PairCollator(0)(_rows()), PairCollator(0, padding_free=True)(_rows())
+    sequences = [(r["chosen_input_ids"], r["chosen_labels"]) for r in _rows()] + \
+                [(r["rejected_input_ids"], r["rejected_labels"]) for r in _rows()]
+    assert padded["input_ids"].shape == (8, 23)
+    assert packed["input_ids"].shape == (4, 23) and "attention_mask" not in packed
+    ids, index, positions = packed["input_ids"], packed[SEQUENCE_INDEX], packed["position_ids"]
+    for i, (seq_ids, seq_labels) in enumerate(sequences):  # each sequence whole, in one row, positions from 0
+        rows, cols = (index == i).nonzero(as_tuple=True)
+        assert len(set(rows.tolist())) == 1 and cols.tolist() == list(range(cols[0], cols[0] + len(seq_ids)))
+        assert ids[rows, cols].tolist() == seq_ids and positions[rows, cols].tolist() == list(range(len(seq_ids)))
+        assert packed["labels"][rows, cols].tolist() == [IGNORE_INDEX] + seq_labels[1:]
+    pad = index == len(sequences)
+    assert (packed["labels"][pad] == IGNORE_INDEX).all() and int((~pad).sum()) == sum(map(sum, LENGTHS))
+    assert packed["num_tokens"].tolist() == (~pad).sum(-1).tolist()
+    assert packed[PAIR_INDEX].tolist() == [0, 1, 2, 3]
+    tokens = response_tokens(packed)
+    assert tokens.tolist() == response_tokens(padded).tolist() == [n - 2 for n in [c for c, _ in LENGTHS] +
+                                                                   [r for _, r in LENGTHS]]
+    flat = PairCollator(0, padding_free=True, flatten=True)(_rows())
+    assert flat["input_ids"].shape == (1, sum(map(sum, LENGTHS)))
+    assert flat["cu_seq_lens_q"].tolist() == [0, *torch.tensor([len(s[0]) for s in sequences]).cumsum(0).tolist()]
+    assert sequence_sums(torch.ones(1, flat["input_ids"].shape[1]), flat).tolist() == [len(s[0]) for s in sequences]
+
+
+def _losses(model, batch, cfg, reference):
+    objective = PreferenceLoss(model, cfg, reference)
+    table = torch.tensor([[-60.0, -40.0], [-20.0, -95.0], [-70.0, -30.0], [-35.0, -45.0]])
+    objective.tables = {"train": table, "eval": table}
+    loss = objective.training_loss(model, batch, torch.tensor(4.0))
+    loss.backward()
+    model.eval()
+    with torch.no_grad():
+        rows = objective.eval_rows(model, batch)
+    model.train()
+    return loss.detach(), objective._last, rows, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if p.grad is not None}
+
+
+# each loss once, sigmoid both ways: the per-token averages (ipo, simpo, orpo) and both references
+@pytest.mark.parametrize("loss, lora", [("sigmoid", False), ("sigmoid", True), ("hinge", True), ("ipo", False),
+                                        ("simpo", True), ("orpo", False)])
+def test_every_dpo_loss_and_its_gradients_equal_the_padded_batchs(loss, lora, tiny_model_dir):
+    """The loss (through lm_head's chunked forward and the per-position weights of its gradient), the logged
+    statistics, the eval rows and every parameter's gradient: padding-free == padded to 1e-5. LoRA's reference is
+    the policy with its adapters disabled, full fine-tuning's a precomputed table."""
+    cfg = PreferenceSection(loss=loss, beta=0.5)
+    reference = "none" if cfg.reference_free() else "adapters" if lora else "precomputed"
+    results = [_losses(seeded_model(tiny_model_dir, lora), collate(_rows()), cfg, reference)
+               for collate in (PairCollator(0), PairCollator(0, padding_free=True))]
+    (loss_a, stats_a, rows_a, grads_a), (loss_b, stats_b, rows_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats_b, stats_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-5)
+    assert grads_a and set(grads_a) == set(grads_b)
+    for name, grad in grads_a.items():  # float32 sums in another order: 1e-5 of the tensor's largest entry
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flash_attention_2"])
+def test_sequence_log_probs_equal_the_padded_ones_for_every_attention_implementation(implementation,
+                                                                                     tiny_model_dir):
+    """Each sequence's summed log-probs, padding-free as train.py collates for this implementation (flash: one
+    row with its boundaries, through transformers' own flash dispatch with CPU reference kernels), equal the
+    padded batch's under sdpa."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.data import flattens_packed_rows
+    from flash_cpu import cpu_flash_attention
+
+    flash = implementation.startswith("flash")
+
+    def logps(attn, batch, context=nullcontext):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
+        objective = PreferenceLoss(model, PreferenceSection(loss="simpo"), "none")
+        with context(model):
+            return objective._sequence_logps(model, batch)
+
+    padded = logps("sdpa", PairCollator(0)(_rows()))
+    packed_batch = PairCollator(0, padding_free=True, flatten=flattens_packed_rows(implementation))(_rows())
+    packed = logps("sdpa" if flash else implementation, packed_batch,
+                   (lambda m: cpu_flash_attention(m, implementation)) if flash else nullcontext)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_free_batches_are_the_dpo_familys_only():
+    dpo = ["training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference", "data.eval_path=null"]
+    assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo + ["data.packing=true"]).data.packing
+    cases = [(dpo + ["data.packing=true", "preference.loss=kto"], "data.packing \\(padding-free batches: the DPO"),
+             (dpo[1:] + ["training.objective=reward", "data.packing=true"], "data.packing, concat_and_chunk"),
+             (dpo + ["data.streaming=true"], "concat_and_chunk and streaming are not supported with it "
+                                                   "\\(data.packing is")]
+    for overrides, message in cases:
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(REPO / "recipes/tiny/sft.yaml", overrides)
+
+
+def test_the_bench_draws_long_tailed_pairs_and_counts_real_tokens_after_the_warm_up():
+    """make bench-pairs' data and arithmetic (its launches: docs/benchmarks.md)."""
+    from disttrain.bench.pairs import long_tailed_pairs, summarize
+
+    words = sorted(len(r[side].split()) for r in long_tailed_pairs(400, 0, 12, 1.0, 256)
+                   for side in ("chosen", "rejected"))
+    assert words[len(words) // 2] in range(10, 15) and words[int(0.9 * len(words))] >= 3 * words[len(words) // 2]
+    assert words[-1] <= 256
+    steps = [{"step": s, "step_time_s": 2.0, "tokens": 100 * s, "padded_tokens_per_s_per_device": 150.0 * s,
+              "loss": 1.0} for s in (1, 2, 3)]
+    row = summarize("padded", steps, warmup=1)
+    assert row["steps"] == 2 and row["real_tokens_per_s"] == 500 / 4 and row["computed_per_real_token"] == 3.0
