@@ -106,6 +106,20 @@ def make_train(target: str, recipe: Path, *variables: str, env: dict | None = No
     return proc.stdout
 
 
+def warm_like_make(config: str, recipe: Path, processes: int, *overrides: str, **variables) -> str:
+    """What `make train-<config> GPUS=<processes> VARIABLE=...` launches, through the suite's warm launcher: the
+    mesh flags `make mesh-flags` prints for it (fsdp_ep's expert size from the environment, as the Makefile's
+    MESH_ENV). Every config still runs through `make train-*` in one of its tests (test_real_launcher.py lists
+    them); its other runs take this road, which spares each process the libraries' imports."""
+    settings = [f"{name}={value}" for name, value in variables.items()]
+    flags = subprocess.run(["make", "-s", "mesh-flags", f"STRATEGY={config}", f"GPUS={processes}", *settings],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    env = {"PARALLELISM_CONFIG_EP_SIZE": str(variables["EP"])} if config == "fsdp_ep" else None
+    proc = launch(config, recipe, nproc=processes, overrides=overrides, extra_args=flags, env=env)
+    assert_ok(proc)
+    return proc.stdout
+
+
 def losses(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 

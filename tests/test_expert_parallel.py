@@ -24,7 +24,7 @@ from disttrain.recipe.schema import load_recipe
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_exports_from_its_last_checkpoint,
                            assert_preflight_trains_like, assert_same_run,
                            assert_trains_like_one_process, final_weights, grad_norms, losses, make_train,
-                           matrix_recipe, mesh_plan, small_data)
+                           matrix_recipe, mesh_plan, small_data, warm_like_make)
 
 
 def test_the_plan_reads_its_own_rows_on_every_process_and_splits_the_experts(monkeypatch):
@@ -114,7 +114,11 @@ def ep_run(runs, tiny_moe_dir, config: str, *variables: str):
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)
             return folder / "run", proc.stdout
-        return folder / "run", make_train("train-fsdp-ep", recipe, "GPUS=4", "EP=2", *variables,
+        if variables:  # the real launcher for the default mesh (make train-fsdp-ep), warm for the others
+            return folder / "run", warm_like_make("fsdp_ep", recipe, 4, "training.micro_batch_size=1",
+                                                  "training.grad_accum=1", EP=2,
+                                                  **dict(v.split("=") for v in variables))
+        return folder / "run", make_train("train-fsdp-ep", recipe, "GPUS=4", "EP=2",
                                           "ARGS=training.micro_batch_size=1 training.grad_accum=1")
     return runs.get(f"ep-{config}-{'-'.join(variables)}", make)
 

@@ -17,7 +17,8 @@ from conftest import REPO, assert_ok, launch
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from strategy_runs import assert_exports_from_its_last_checkpoint, assert_preflight_trains_like
-from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe
+from strategy_runs import (assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe,
+                           warm_like_make)
 from strategy_runs import mesh_plan, small_data
 
 
@@ -34,7 +35,9 @@ def fsdp_tp_run(runs, tiny_model_dir, config: str = "fsdp_tp", *variables: str):
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)
             return folder / "run", proc.stdout
-        return folder / "run", make_train("train-fsdp-tp", recipe, "GPUS=4", "TP=2", *variables)
+        if variables:  # the real launcher for the default mesh (make train-fsdp-tp), warm for the others
+            return folder / "run", warm_like_make("fsdp_tp", recipe, 4, TP=2, **dict(v.split("=") for v in variables))
+        return folder / "run", make_train("train-fsdp-tp", recipe, "GPUS=4", "TP=2")
     return runs.get(f"fsdp-tp-{config}-{'-'.join(variables)}", make)
 
 

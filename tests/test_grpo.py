@@ -99,7 +99,7 @@ def test_the_recipe_refuses_what_grpo_cannot_take(tmp_path, tiny_model_dir):
              "set training.objective: grpo": (prompts, {"objective": "sft"}, {}),
              "no held-out evaluation": ({**prompts, "eval_path": str(REPO / "data/tiny_prompts.jsonl")}, {},
                                         {"rewards": reward}),
-             "data.packing and data.streaming": ({**prompts, "packing": True}, {}, {"rewards": reward}),
+             "data.streaming does not apply": ({**prompts, "streaming": True}, {}, {"rewards": reward}),
              "rl.reference: adapters needs a lora section": (prompts, {}, {"rewards": reward, "beta": 0.1,
                                                                            "reference": "adapters"})}
     for says, (data, training, rl) in cases.items():

@@ -14,7 +14,7 @@ from disttrain.errors import DisttrainError
 from disttrain.parallel.plan import ParallelPlan
 from disttrain.training.checkpoint import CheckpointError, RunShape, check_shape
 from strategy_runs import (CHECKPOINT_EVERY, STEPS, assert_same_run, assert_trains_like_one_process, final_weights,
-                           losses, make_train, matrix_recipe, small_data, strategy_run)
+                           losses, make_train, matrix_recipe, small_data, strategy_run, warm_like_make)
 
 MESH = "dp_replicate=2,dp_shard=2"
 
@@ -48,7 +48,7 @@ def test_hsdp_trains_lora_like_one_process(runs, tiny_model_dir):
     process's."""
     def make(folder):
         recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", lora=True, training={"grad_accum": 1})
-        return folder / "run", make_train("train-hsdp", recipe, "GPUS=4", "HSDP_REPLICAS=2")
+        return folder / "run", warm_like_make("hsdp", recipe, 4, HSDP_REPLICAS=2)  # hsdp_run: make train-hsdp
     out, stdout = runs.get("hsdp-lora", make)
     assert f"mesh={MESH}" in stdout
     assert_trains_like_one_process(out, strategy_run(runs, tiny_model_dir, "single_gpu", True).out, lora=True)

@@ -91,8 +91,9 @@ def test_a_trained_reward_model_exports_loads_and_scores_online_rl_completions(t
     from peft import AutoPeftModelForSequenceClassification
     from transformers import AutoModelForSequenceClassification
 
-    full = _reward_recipe(tmp_path, tiny_model_dir, "full")
-    adapters = _reward_recipe(tmp_path, tiny_model_dir, "lora", lora={"r": 8, "dropout": 0.0})
+    # trained padding-free (data.packing): the pairs' sequences share rows, each score read at its last token
+    full = _reward_recipe(tmp_path, tiny_model_dir, "full", data={"packing": True})
+    adapters = _reward_recipe(tmp_path, tiny_model_dir, "lora", lora={"r": 8, "dropout": 0.0}, data={"packing": True})
     for recipe in (full, adapters):
         assert_ok(launch("single_gpu", recipe, nproc=1))
     last_eval = [r for r in read_metrics(tmp_path / "full") if "eval_rewards/accuracy" in r][-1]
@@ -138,7 +139,7 @@ def test_a_trained_reward_model_exports_loads_and_scores_online_rl_completions(t
 def test_what_a_reward_model_cannot_take_is_refused_in_one_line(tmp_path, tiny_model_dir):
     cases = {"needs data.format: preference": {"data": {"path": str(REPO / "data/tiny_alpaca.jsonl"),
                                                         "format": "alpaca"}},
-             "data.packing, concat_and_chunk and streaming": {"data": {"packing": True}},
+             "concat_and_chunk and streaming are not supported": {"data": {"streaming": True}},
              "generates no text for lm-eval": {"evaluation": {"tasks": ["x"], "every_steps": 2},
                                                "output": {"checkpoint_every": 2}},
              "does not apply to training.objective: reward": {"training": {"loss_impl": "plain"}}}

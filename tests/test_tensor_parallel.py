@@ -16,7 +16,8 @@ from disttrain.metrics.log import read_metrics
 from disttrain.parallel.checks import check_tensor_parallel, check_tensor_parallel_model
 from disttrain.recipe.schema import load_recipe
 from strategy_runs import assert_exports_from_its_last_checkpoint, assert_preflight_trains_like
-from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe
+from strategy_runs import (assert_resumes_on_its_mesh, assert_trains_like_one_process, make_train, matrix_recipe,
+                           warm_like_make)
 from strategy_runs import mesh_plan, small_data
 
 
@@ -33,7 +34,9 @@ def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp",
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)
             return folder / "run", proc.stdout
-        return folder / "run", make_train("train-tp", recipe, "GPUS=2")
+        if loss_impl == "chunked" and not lora:  # the real launcher once (make train-tp), warm otherwise
+            return folder / "run", make_train("train-tp", recipe, "GPUS=2")
+        return folder / "run", warm_like_make("tp", recipe, 2)
     return runs.get(f"tensor-parallel-{config}-{loss_impl}{'-lora' if lora else ''}", make)
 
 
@@ -84,7 +87,7 @@ def test_random_draws_are_the_same_across_a_tensor_parallel_group(runs, tiny_mod
                            processes=1, lora={"dropout": 0.3}, training={"neftune_alpha": 5.0},
                            evaluation={"tasks": ["disttrain_tiny_choice"], "every_steps": 5, "limit": 5},
                            distributed={"timeout_s": 300})
-    stdout = make_train("train-tp", recipe, "GPUS=2")
+    stdout = warm_like_make("tp", recipe, 2)
     assert "mesh=tp=2" in stdout
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "lm_eval/disttrain_tiny_choice/acc" in r] == [5, 10]

@@ -17,7 +17,7 @@ from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.parallel.plan import ParallelPlan
 from strategy_runs import assert_resumes_on_its_mesh, assert_trains_like_one_process, matrix_recipe, small_data
-from strategy_runs import make_train, strategy_run
+from strategy_runs import make_train, strategy_run, warm_like_make
 
 MESH = "dp_shard=1,sp=2"
 
@@ -27,6 +27,8 @@ def ulysses_run(runs, tiny_model_dir, lora: bool):
     accumulation 2): the group of two processes reads what one process reads."""
     def make(folder):
         recipe = matrix_recipe(folder, tiny_model_dir, small_data(runs), "run", processes=1, lora=lora)
+        if lora:  # the real launcher for the full run (make train-zero3-ulysses), warm for this one
+            return folder / "run", warm_like_make("zero3_ulysses", recipe, 2, SP=2)
         return folder / "run", make_train("train-zero3-ulysses", recipe, "GPUS=2", "SP=2")
     return runs.get(f"ulysses-{'lora' if lora else 'full'}", make)
 

@@ -97,6 +97,50 @@ class Collator:
                 SQUARES_KEY: torch.tensor([_sum_of_squared_segments(r["position_ids"]) for r in rows])}
 
 
+def pack_sequences(sequences: list[tuple[list[int], list[int]]], pad_token_id: int, width: int,
+                   flatten: bool = False) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """Padding-free rows of whole (input ids, labels) sequences, none wider than `width` (first fit, longest
+    first), and where each sequence went (row, start). Position ids restart at 0 for each sequence, so no
+    sequence attends to another; padding (sequence index len(sequences): none of them) is a position block of
+    its own, which the block-diagonal mask keeps away from real tokens. A sequence's first token is no target
+    (the previous sequence's last token would predict it). `SEQUENCE_INDEX` says whose each token is.
+    `flatten` (flash-attention): all in one row, with the boundaries its varlen kernel reads."""
+    lengths = [len(ids) for ids, _ in sequences]
+    width = sum(lengths) if flatten else width
+    bins: list[list[int]] = []  # the rows' sequence numbers
+    for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
+        fit = next((b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= width), None)
+        if fit is None:
+            bins.append([i])
+        else:
+            fit.append(i)
+    batch = {"input_ids": [], "labels": [], "position_ids": [], SEQUENCE_INDEX: [], LENGTHS_KEY: [], SQUARES_KEY: []}
+    placed = [(0, 0)] * len(sequences)
+    for row_number, members in enumerate(sorted(bins, key=min)):
+        row = {key: [] for key in ("input_ids", "labels", "position_ids", SEQUENCE_INDEX)}
+        for i in sorted(members):
+            ids, labels = sequences[i]
+            placed[i] = (row_number, len(row["input_ids"]))
+            row["input_ids"] += list(ids)
+            row["labels"] += [IGNORE_INDEX] + list(labels[1:])
+            row["position_ids"] += list(range(len(ids)))
+            row[SEQUENCE_INDEX] += [i] * len(ids)
+        used, pad = len(row["input_ids"]), width - len(row["input_ids"])
+        batch["input_ids"].append(row["input_ids"] + [pad_token_id] * pad)
+        batch["labels"].append(row["labels"] + [IGNORE_INDEX] * pad)
+        batch["position_ids"].append(row["position_ids"] + list(range(pad)))
+        batch[SEQUENCE_INDEX].append(row[SEQUENCE_INDEX] + [len(sequences)] * pad)
+        batch[LENGTHS_KEY].append(used)
+        batch[SQUARES_KEY].append(sum(lengths[i] ** 2 for i in members))
+    out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+    if flatten:  # transformers hands these to flash_attn_varlen_func as they are (module docstring)
+        starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        out.update({"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": max(lengths),
+                    "max_length_k": max(lengths), LENGTHS_KEY: torch.tensor(lengths),
+                    SQUARES_KEY: torch.tensor(lengths) ** 2})
+    return out, placed
+
+
 def _sum_of_squared_segments(position_ids) -> int:
     """Attention cost of a packed row: each example attends only within itself."""
     total, length = 0, 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disttrain.data.collation import LENGTHS_KEY, SEQUENCE_INDEX, SQUARES_KEY
+from disttrain.data.collation import LENGTHS_KEY, SQUARES_KEY, pack_sequences
 from disttrain.data.formats import Conversation, PreferencePair
 from disttrain.data.templates import IGNORE_INDEX, message_text, render, tokenize_rendered
 
@@ -161,39 +161,4 @@ class PairCollator:
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
     def _packed(self, sequences: list[tuple]) -> dict[str, torch.Tensor]:
-        """Rows of whole sequences, none wider than the longest sequence; padding (sequence index 2n: none of
-        them) as its own position block, so the block-diagonal mask keeps it away from real tokens. A
-        sequence's first token is no target (the previous sequence's last token would predict it)."""
-        lengths = [len(ids) for ids, _ in sequences]
-        width = sum(lengths) if self.flatten else self._width(sequences)
-        bins: list[list[int]] = []  # first fit, longest first: the rows' sequence numbers
-        for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
-            fit = next((b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= width), None)
-            if fit is None:
-                bins.append([i])
-            else:
-                fit.append(i)
-        batch = {"input_ids": [], "labels": [], "position_ids": [], SEQUENCE_INDEX: [], LENGTHS_KEY: [],
-                 SQUARES_KEY: []}
-        for members in sorted(bins, key=min):
-            row = {key: [] for key in ("input_ids", "labels", "position_ids", SEQUENCE_INDEX)}
-            for i in sorted(members):
-                ids, labels = sequences[i]
-                row["input_ids"] += ids
-                row["labels"] += [IGNORE_INDEX] + labels[1:]
-                row["position_ids"] += list(range(len(ids)))
-                row[SEQUENCE_INDEX] += [i] * len(ids)
-            used, pad = len(row["input_ids"]), width - len(row["input_ids"])
-            batch["input_ids"].append(row["input_ids"] + [self.pad_token_id] * pad)
-            batch["labels"].append(row["labels"] + [IGNORE_INDEX] * pad)
-            batch["position_ids"].append(row["position_ids"] + list(range(pad)))
-            batch[SEQUENCE_INDEX].append(row[SEQUENCE_INDEX] + [len(sequences)] * pad)
-            batch[LENGTHS_KEY].append(used)
-            batch[SQUARES_KEY].append(sum(lengths[i] ** 2 for i in members))
-        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
-        if self.flatten:  # transformers hands these to flash_attn_varlen_func as they are (data/collation.py)
-            starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-            out.update({"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": max(lengths),
-                        "max_length_k": max(lengths), LENGTHS_KEY: torch.tensor(lengths),
-                        SQUARES_KEY: torch.tensor(lengths) ** 2})
-        return out
+        return pack_sequences(sequences, self.pad_token_id, self._width(sequences), self.flatten)[0]

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from disttrain.data.collation import flattens_packed_rows
 from disttrain.data.prompts import PROMPT_INDEX, PromptCollator
 from disttrain.errors import DisttrainError
 from disttrain.objectives import agent, rollout, sampling, vllm_engine
@@ -31,8 +32,8 @@ from disttrain.objectives.policy_loss import UNITS, clip_units, entropy_bonus, p
 from disttrain.objectives.rewards import (Rewards, advantages, baselined, nanstd, reward_names, step_statistics,
                                           weighted_sum)
 from disttrain.objectives.rl_metrics import RolloutWindow
-from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, OLD_KEY, REF_KEY, ROLLOUT_KEYS,
-                                          SAMPLED_KEY)
+from disttrain.objectives.rollout import (ADVANTAGES_KEY, ENGINE_KEY, MASK_KEY, OLD_KEY, PACKED_AT, REF_KEY,
+                                          ROLLOUT_KEYS, SAMPLED_KEY, to_packed, to_padded)
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
 from disttrain.objectives.tools import Toolbox
 from disttrain.objectives.vllm_engine import engine_weights
@@ -52,6 +53,11 @@ class GRPO:
         if recipe.rl.engine == "vllm":  # the server answers, vLLM is here: known before the model loads
             vllm_engine.check(recipe.rl)
         self.tokenizer = self.accelerator = None
+        # the training rows' layout (rollout.training_rows): padding-free with data.packing; one row for
+        # flash-attention, whose kernel reads restarting position ids as sequences only at batch size 1
+        packing = recipe.data.packing
+        self.layout = {"padding_free": packing,
+                       "one_row": packing and flattens_packed_rows(recipe.model.attn_implementation)}
 
     def model_kwargs(self, tokenizer) -> dict:
         """The causal LM as it is; with tools, its chat template checked for them first."""
@@ -188,7 +194,7 @@ class Rollouts:
                 prompt_of, policy = [t.prompt_ids for t in played], [t.policy for t in played]
             all_rows.append((flat, rollout.training_rows(prompt_of, flat, tokenizer.pad_token_id,
                                                          rl.mask_truncated_completions, accelerator.device, logps,
-                                                         policy), played))
+                                                         policy, **self.objective.layout), played))
         statistics = self._step_statistics(run, scored, [rows for _, rows, _ in all_rows])
         micro_batches = []
         for (flat, rows, played), (table, _, _) in zip(all_rows, scored):
@@ -441,6 +447,8 @@ class GRPOLoss:
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
+        if PACKED_AT in batch:  # padding-free: no mask, sequences apart by their position ids
+            return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
@@ -453,8 +461,10 @@ class GRPOLoss:
 
     def _training_head(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         batch = self._batch
+        at = batch.get(PACKED_AT)  # padding-free rows: the loss reads the padded layout (rollout.to_padded)
         entropies = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
-        logps = -chunked_token_losses(hidden.detach(), self.head, labels, entropies=entropies)
+        logps = to_padded(-chunked_token_losses(hidden.detach(), self.head, labels, entropies=entropies), at)
+        entropies = to_padded(entropies, at)
         leaf = logps.detach().requires_grad_()
         with torch.enable_grad():
             total, stats = policy_loss(self.rl, leaf, batch[MASK_KEY], batch[ADVANTAGES_KEY], batch.get(OLD_KEY),
@@ -466,7 +476,9 @@ class GRPOLoss:
         if self.rl.entropy_coef:  # a mean of its own: scaled by the units the loop divides the head's output by
             bonus = entropy_bonus(self.rl, entropies, mask) * self._num_items
             entropy_weights = -self.rl.entropy_coef * self._num_items * mask / mask.sum().clamp(min=1.0)
-        surrogate = chunked_loss_sum(hidden, self.head, labels, position_weights=-grad,
+        if entropy_weights is not None:
+            entropy_weights = to_packed(entropy_weights, at, labels.shape)
+        surrogate = chunked_loss_sum(hidden, self.head, labels, position_weights=to_packed(-grad, at, labels.shape),
                                      entropy_weights=entropy_weights)
         value = total.detach() + (bonus.detach() if bonus is not None else 0.0)
         return surrogate - surrogate.detach() + value  # the loss's value, the loss's gradient
@@ -480,7 +492,8 @@ class GRPOLoss:
         was_training = model.training
         model.eval()
         try:
-            return -(engine or self.engine).output(model, batch, self._inputs(batch)).logits
+            return to_padded(-(engine or self.engine).output(model, batch, self._inputs(batch)).logits,
+                             batch.get(PACKED_AT))
         finally:
             model.train(was_training)
 

@@ -6,7 +6,10 @@ computes it (tests/test_reward_model.py runs TRL's own compute_loss on the same 
     loss per pair = -log sigmoid(r_chosen - r_rejected) [+ center_rewards_coefficient x (r_chosen + r_rejected)^2]
 
 A micro-batch holds its pairs side by side (chosen rows, then rejected: data/preference.py's collator), so `units`
-are pairs and the loop's normalisation makes the step's loss the mean over every pair on every rank. The final
+are pairs and the loop's normalisation makes the step's loss the mean over every pair on every rank. Padding-free
+(data.packing), several sequences share a row: transformers' head would read each row's last token, so the score
+head's per-token output is taken from its forward and read where transformers reads a padded row, at each
+sequence's last token that is not the pad token. The final
 model exports as a plain sequence-classification checkpoint (or its adapter, the score head saved in full), which
 transformers' AutoModelForSequenceClassification loads and online RL uses as a reward (rl.rewards[].model).
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from disttrain.data import BOOKKEEPING_KEYS
+from disttrain.data.collation import SEQUENCE_INDEX, flattens_packed_rows
 from disttrain.data.preference import PAIR_INDEX, PairCollator
 from disttrain.objectives.preference import pair_eval_record, pair_eval_rows, pair_means
 
@@ -31,7 +36,8 @@ class RewardModel:
         return {"head": "score", "pad_token_id": tokenizer.pad_token_id}
 
     def collator(self, tokenizer) -> PairCollator:
-        return PairCollator(tokenizer.pad_token_id)
+        return PairCollator(tokenizer.pad_token_id, padding_free=self.recipe.data.packing,
+                            flatten=flattens_packed_rows(self.recipe.model.attn_implementation))
 
     def loss(self, model) -> BradleyTerryLoss:
         return BradleyTerryLoss(self.recipe.reward_model.center_rewards_coefficient)
@@ -41,6 +47,27 @@ class RewardModel:
 
     def steps(self, feed):
         return feed
+
+
+def _unwrapped(model):
+    """The sequence-classification model under the strategy's wrapper and peft's (its `score` and config)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    bare = extract_model_from_parallel(model)
+    return bare.get_base_model() if hasattr(bare, "get_base_model") else bare
+
+
+def last_tokens(batch: dict, pad_token_id: int | None) -> torch.Tensor:
+    """[sequences] flat positions (row x width + column) of each padding-free sequence's last token that is not
+    `pad_token_id`, where transformers' sequence-classification head reads a padded row."""
+    segments = batch[SEQUENCE_INDEX].reshape(-1)
+    count = batch[PAIR_INDEX].numel() * 2
+    positions = torch.arange(segments.numel(), device=segments.device)
+    real = segments < count
+    if pad_token_id is not None:
+        real &= batch["input_ids"].reshape(-1) != pad_token_id
+    last = torch.full((count + 1,), -1, dtype=torch.long, device=segments.device)
+    return last.scatter_reduce(0, segments, torch.where(real, positions, -1), reduce="amax")[:count]
 
 
 class BradleyTerryLoss:
@@ -61,9 +88,20 @@ class BradleyTerryLoss:
         return torch.full((), batch[PAIR_INDEX].numel(), device=batch["input_ids"].device, dtype=torch.long)
 
     def scores(self, model, batch: dict) -> torch.Tensor:
-        """[sequences] fp32: each row's score (chosen rows first, then rejected)."""
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        return out.logits[:, 0].float()
+        """[sequences] fp32: each sequence's score (chosen first, then rejected)."""
+        if SEQUENCE_INDEX not in batch:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            return out.logits[:, 0].float()
+        bare = _unwrapped(model)
+        per_token = []  # the score head's output at every position (its pooled output reads each row's last token)
+        handle = bare.score.register_forward_hook(lambda _module, _args, output: per_token.append(output))
+        try:
+            model(**{k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)},
+                  use_cache=False)
+        finally:
+            handle.remove()
+        at = last_tokens(batch, bare.config.pad_token_id)
+        return per_token[0][..., 0].reshape(-1)[at].float()
 
     def pair_losses(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss per pair, [pairs, STATS + 1] statistics) from the scores of [chosen..., rejected...]."""

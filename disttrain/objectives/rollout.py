@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SQUARES_KEY
+from disttrain.data.collation import SEQUENCE_INDEX, pack_sequences
 from disttrain.objectives import sampling
 
 MASK_KEY = "rl_mask"              # [rows, seq]: 1 at the positions predicting a completion token trained on
@@ -26,7 +27,10 @@ OLD_KEY = "rl_old_logps"          # [rows, seq]: log-probs at generation (rl.num
 REF_KEY = "rl_ref_logps"          # [rows, seq]: the reference's log-probs (rl.beta > 0)
 SAMPLED_KEY = "rl_sampled_logps"  # [rows, seq]: the vLLM server's log-probs of the completion tokens
 ENGINE_KEY = "rl_engine_weights"  # [rows, seq] or [rows, 1]: the importance-sampling correction of them
-ROLLOUT_KEYS = (MASK_KEY, ADVANTAGES_KEY, OLD_KEY, REF_KEY, SAMPLED_KEY, ENGINE_KEY)
+# [rows, seq]: padding-free rows (data.packing): where each padded position's token sits in the packed rows, as a
+# flat index (packed row x width + column; -1: no token). The per-position tensors above stay in the padded layout
+PACKED_AT = "rl_packed_at"
+ROLLOUT_KEYS = (MASK_KEY, ADVANTAGES_KEY, OLD_KEY, REF_KEY, SAMPLED_KEY, ENGINE_KEY, PACKED_AT)
 
 
 def eos_ids(tokenizer, module) -> list[int]:
@@ -83,12 +87,14 @@ def _generate(module, rl, prompts, seeds, eos, pad_id, device, synced,
 
 def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], bool]], pad_id: int,
                   mask_truncated: bool, device, sampled_logps: list[list[float]] | None = None,
-                  policy: list[list[int]] | None = None) -> dict:
+                  policy: list[list[int]] | None = None, padding_free: bool = False, one_row: bool = False) -> dict:
     """Rows of prompt + completion, right-padded: labels on the completion tokens trained on, MASK_KEY at the
     positions predicting them (the layout of the chunked head's per-position log-probs), and the bookkeeping the
     loop counts tokens and FLOPs by. `prompts`: each completion's prompt; `sampled_logps`: an engine's log-probs
     of each completion's tokens, laid out like MASK_KEY (SAMPLED_KEY); `policy`: per completion token, 1 where the
-    policy sampled it and 0 where a tool's message put it (agent.py): the zeros get no label and no weight."""
+    policy sampled it and 0 where a tool's message put it (agent.py): the zeros get no label and no weight.
+    `padding_free` (data.packing): the model's inputs packed (without_padding); `one_row`: all in one row (flash
+    attention)."""
     longest = max(len(p) + len(c) for p, (c, _) in zip(prompts, completions))
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -112,4 +118,40 @@ def training_rows(prompts: list[list[int]], completions: list[tuple[list[int], b
         batch[SAMPLED_KEY] = torch.zeros(len(prompts), longest, dtype=torch.float32)
         for row, (prompt, values) in enumerate(zip(prompts, sampled_logps)):
             batch[SAMPLED_KEY][row, len(prompt) - 1:len(prompt) - 1 + len(values)] = torch.tensor(values)
+    if padding_free:
+        batch = without_padding(batch, pad_id, one_row)
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def without_padding(batch: dict, pad_id: int, one_row: bool) -> dict:
+    """Training rows whose model inputs (input ids, labels, position ids) are packed padding-free
+    (data/collation.pack_sequences: rows no wider than the longest, or one row), with PACKED_AT mapping the
+    padded layout, which the loss's per-position tensors keep, onto them. One row needs no boundaries: at batch
+    size 1 transformers reads restarting position ids as packed sequences, flash-attention included."""
+    lengths = batch[LENGTHS_KEY].tolist()
+    sequences = [(batch["input_ids"][r, :n].tolist(), batch["labels"][r, :n].tolist()) for r, n in enumerate(lengths)]
+    packed, placed = pack_sequences(sequences, pad_id, sum(lengths) if one_row else max(lengths))
+    width = packed["input_ids"].shape[1]
+    at = torch.full_like(batch["input_ids"], -1)
+    for r, ((row, start), n) in enumerate(zip(placed, lengths)):
+        at[r, :n] = row * width + start + torch.arange(n)
+    del packed[SEQUENCE_INDEX]
+    kept = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "labels", LENGTHS_KEY,
+                                                        SQUARES_KEY)}
+    return {**kept, **packed, PACKED_AT: at}
+
+
+def to_padded(packed: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+    """[rows, seq] per-position values of padding-free rows laid out as the padded rows (0 where no token)."""
+    if at is None:
+        return packed
+    return torch.where(at >= 0, packed.reshape(-1)[at.clamp(min=0)], packed.new_zeros(()))
+
+
+def to_packed(padded: torch.Tensor, at: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """The inverse of to_padded: padded-layout values put at their packed positions (0 elsewhere)."""
+    if at is None:
+        return padded
+    valid = at >= 0
+    out = padded.new_zeros(shape.numel())
+    return out.index_put_((at[valid],), padded[valid]).view(shape)

@@ -118,7 +118,7 @@ FEATURES = (
     Feature("kto", "KTO: unpaired examples, each with a KL partner (full: precomputed, LoRA: adapters off)",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2")),
-    Feature("dpo_padding_free", "padding-free pairs (data.packing with the DPO family)",
+    Feature("dpo_padding_free", "padding-free pairs (data.packing; reward models: their row's variants)",
             ("training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=null", "training.max_steps=2", "data.packing=true")),
     Feature("dpo_losses", "preference losses: ipo, hinge, simpo, orpo, kto",
@@ -206,14 +206,17 @@ ULYSSES_OR_CP = "is not supported under accelerate_configs/"
 # kto there: LoRA (the adapters-off reference) on pairs split in two.
 PREFERENCE_LOSS = {"single_gpu": "orpo", "ddp": "ipo", "fsdp": "hinge", "fsdp_offload": "kto", "hsdp": "ipo",
                    "zero1": "orpo", "zero2": "kto", "zero3": "simpo", "zero3_offload": "kto"}
+# padding-free rows (data.packing): a reward model's pairs, the score read at each sequence's last token; online RL's
+# training rows (tests/test_padding_free.py: equal to the padded ones)
+PADDING_FREE = ("data.packing=true",)
 # The online-RL runs take the loss variants in turn (pairwise coverage: each variant under some config, every
-# data-parallel config under some variant; each loss equals TRL's in tests/test_policy_loss.py). Each is compared
-# with one process running the same variant.
+# data-parallel config under some variant; each loss equals TRL's in tests/test_policy_loss.py; padded or
+# padding-free rows). Each is compared with one process running the same variant.
 RL_VARIANT = {
     "single_gpu": ("rl.loss=dapo", "rl.epsilon_high=0.28"),
     # KL to the adapters-off reference; RLOO's leave-one-out baseline
-    "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0", "rl.advantage=rloo"),
-    "fsdp": ("rl.loss=grpo", "rl.beta=0.05"),  # KL to a frozen copy sharded by FSDP2
+    "ddp": ("rl.loss=dapo", "rl.beta=0.05", "lora.r=8", "lora.dropout=0", "rl.advantage=rloo", *PADDING_FREE),
+    "fsdp": ("rl.loss=grpo", "rl.beta=0.05", *PADDING_FREE),  # KL to a frozen copy sharded by FSDP2
     # the rollouts' per-layer gathers (a model too large to gather whole), with a sampling filter each; under
     # FSDP2 also DAPO's resampling in several generate calls (ranks redrawing different numbers of groups agree
     # on the calls: generate() is synced there)
@@ -229,17 +232,20 @@ RL_VARIANT = {
     "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05", "rl.repetition_penalty=1.3"),
     "zero2": ("rl.loss=grpo", "rl.importance_sampling=sequence", "rl.epsilon=0.0003", "rl.epsilon_high=0.0004",
               "rl.rows_per_generate=3"),
-    "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05"),  # the old policy; a ZeRO-3 frozen copy
+    # the old policy (its padding-free rows saved with the checkpoint between iterations); a ZeRO-3 frozen copy
+    "zero3": ("rl.loss=dapo", "rl.num_iterations=2", "rl.beta=0.05", *PADDING_FREE),
     "zero3_offload": ("rl.loss=dapo", "rl.scale_rewards=none", "rl.temperature=0.8", "rl.generation_weights=per_layer",
                       "rl.min_p=0.05"),
 }
 # The reward-model runs: full or LoRA (the score head trained in full beside the adapters), the centring term on
-# or off, in turn.
+# or off, padded or padding-free, in turn (padding-free == padded: tests/test_padding_free.py).
 REWARD_VARIANT = {
-    "single_gpu": (), "ddp": ("lora.r=8", "lora.dropout=0"), "fsdp": ("reward_model.center_rewards_coefficient=0.01",),
+    "single_gpu": (), "ddp": ("lora.r=8", "lora.dropout=0", *PADDING_FREE),
+    "fsdp": ("reward_model.center_rewards_coefficient=0.01", *PADDING_FREE),
     "fsdp_offload": ("lora.r=8", "lora.dropout=0", "reward_model.center_rewards_coefficient=0.01"),
     "hsdp": ("lora.r=8", "lora.dropout=0"), "zero1": ("reward_model.center_rewards_coefficient=0.01",),
-    "zero2": ("lora.r=8", "lora.dropout=0"), "zero3": ("reward_model.center_rewards_coefficient=0.01",),
+    "zero2": ("lora.r=8", "lora.dropout=0", *PADDING_FREE),
+    "zero3": ("reward_model.center_rewards_coefficient=0.01", *PADDING_FREE),
     "zero3_offload": ("lora.r=8", "lora.dropout=0"),
 }
 # The vision-language runs: the image encoder frozen (the default), LoRA on the language model and projector, or
@@ -369,7 +375,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(("fsdp_offload", "zero2", "zero3_offload"), lambda c: Proven(
             (f"{PREF}::test_full_dpo_matches_single_process[{c}]",),
             "full, precomputed reference, equal to one padded process")),
-        **_each(SEQUENCE, lambda c: Refused("training.objective=dpo is not supported under")),
+        **_each(SEQUENCE, lambda c: Refused("data.packing=true " + ULYSSES_OR_CP)),
         **_each(TENSOR, lambda c: Refused("training.objective=dpo " + TP_REFUSAL)),
         "fsdp_ep": Refused("training.objective=dpo " + EP_REFUSAL),
     },

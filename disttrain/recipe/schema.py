@@ -112,8 +112,9 @@ class DataSection(_SourceFields):
     max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated (format "
                              "prompt: the longest prompt; a longer one stops the run in one line)")
     packing: bool = Field(False, description="Several records per row, none attending to another (position ids "
-                          "restart per record); training.objective dpo: each micro-batch's sequences padding-free "
-                          "(as TRL's padding_free), the same pairs per micro-batch")
+                          "restart per record); training.objective dpo / reward: each micro-batch's sequences "
+                          "padding-free (as TRL's padding_free), the same pairs per micro-batch; grpo: the rollouts' "
+                          "training rows padding-free")
     text_field: str = Field("text", description="format text: the column holding the text")
     messages_field: str = Field("messages", description="format chat: the column holding the messages")
     concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
@@ -670,9 +671,9 @@ class Recipe(_Section):
         if rl.agentic() and rl.engine == "vllm":
             raise ValueError("rl.tools / rl.environment run their turns in the trainer's generate(): rl.engine: vllm "
                              "is not built for them yet; use rl.engine: generate")
-        if self.data.packing or self.data.streaming:
-            raise ValueError("training.objective: grpo generates its own rows: data.packing and data.streaming do not "
-                             "apply (remove them)")
+        if self.data.streaming:
+            raise ValueError("training.objective: grpo generates its own rows: data.streaming does not apply (remove "
+                             "it; data.packing makes the rollouts' training rows padding-free)")
         if self.training.loss_impl != "chunked":
             raise ValueError("training.objective: grpo computes its log-probs with the chunked loss: remove "
                              f"training.loss_impl: {self.training.loss_impl}")
@@ -722,17 +723,15 @@ class Recipe(_Section):
 
     def _check_pairs(self, pairs: list[bool]) -> None:
         """What the pair objectives (dpo, reward) need of their data: pairs, chosen and rejected side by side
-        (padding-free with data.packing: dpo's sequences; a reward model's score head reads each row's last
-        token, so its rows stay padded)."""
+        (padding-free with data.packing)."""
         objective = self.training.objective
         if not all(pairs):
             raise ValueError(f"training.objective: {objective} needs data.format: preference ({{prompt, chosen, "
                              "rejected} records) for every source")
-        if self.data.concat_and_chunk or self.data.streaming or (self.data.packing and objective == "reward"):
+        if self.data.concat_and_chunk or self.data.streaming:
             raise ValueError(f"training.objective: {objective} keeps each pair's chosen and rejected side by side in "
-                             "one micro-batch: " + ("data.packing, " if objective == "reward" else "") +
-                             "concat_and_chunk and streaming are not supported with it" +
-                             ("" if objective == "reward" else " (data.packing is: padding-free pairs)"))
+                             "one micro-batch: concat_and_chunk and streaming are not supported with it (data.packing "
+                             "is: padding-free pairs)")
 
     def _check_unpaired(self, formats: list[str]) -> None:
         """preference.loss: kto -- examples judged one by one: unpaired records, or pairs split in two."""

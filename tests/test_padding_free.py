@@ -1,6 +1,7 @@
-"""Padding-free pair batches (data.packing with training.objective: dpo; data/preference.py's PairCollator): the
-layout, and every DPO-family loss, its gradients, its statistics, its eval rows and its reference log-probs equal
-to the padded batch's on the same pairs (full and LoRA; sdpa, eager and transformers' flash path)."""
+"""Padding-free pair batches (data.packing with training.objective: dpo or reward; data/preference.py's
+PairCollator): the layout, and every DPO-family loss, its gradients, its statistics, its eval rows and its
+reference log-probs, and a reward model's scores, loss and gradients, equal to the padded batch's on the same pairs
+(full and LoRA; sdpa, eager and transformers' flash path)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from disttrain.data import IGNORE_INDEX, PAIR_INDEX, PairCollator
 from disttrain.data.collation import SEQUENCE_INDEX
 from disttrain.errors import RecipeError
 from disttrain.objectives.preference import PreferenceLoss, response_tokens, sequence_sums
+from disttrain.objectives.reward_model import BradleyTerryLoss
 from disttrain.recipe.schema import PreferenceSection, load_recipe
 from test_preference import seeded_model
 
@@ -75,6 +77,47 @@ def _losses(model, batch, cfg, reference):
                                                   if p.grad is not None}
 
 
+def _reward_losses(model, batch):
+    objective = BradleyTerryLoss(0.01)
+    loss = objective.training_loss(model, batch, torch.tensor(4.0))
+    loss.backward()
+    with torch.no_grad():
+        rows = objective.eval_rows(model.eval(), batch)
+    return loss.detach(), objective._window, rows, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                    if p.grad is not None}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_reward_model_scores_losses_and_gradients_equal_the_padded_batchs(lora, tiny_model_dir):
+    """A reward model's scores (transformers' head reads a padded row's last token that is not the pad token; a
+    response here ends in the pad token, as where pad = EOS), its loss with the centring term, statistics, eval
+    rows and every gradient (score head included): padding-free == padded."""
+    from transformers import AutoModelForSequenceClassification
+
+    rows = _rows()
+    rows[1]["chosen_input_ids"][-1] = 0  # the pad token, last: the score is read one token earlier
+
+    def model():
+        torch.manual_seed(3)  # the new score head's initial weights
+        m = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, pad_token_id=0,
+                                                               dtype=torch.float32)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            m = get_peft_model(m, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        return m
+
+    (loss_a, stats_a, rows_a, grads_a), (loss_b, stats_b, rows_b, grads_b) = [
+        _reward_losses(model(), collate(rows)) for collate in (PairCollator(0), PairCollator(0, padding_free=True))]
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats_b, stats_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-5)
+    assert any("score" in name for name in grads_a) and set(grads_a) == set(grads_b)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
 # each loss once, sigmoid both ways: the per-token averages (ipo, simpo, orpo) and both references
 @pytest.mark.parametrize("loss, lora", [("sigmoid", False), ("sigmoid", True), ("hinge", True), ("ipo", False),
                                         ("simpo", True), ("orpo", False)])
@@ -121,13 +164,14 @@ def test_sequence_log_probs_equal_the_padded_ones_for_every_attention_implementa
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_free_batches_are_the_dpo_familys_only():
+def test_padding_free_batches_are_the_dpo_familys_and_reward_models():
     dpo = ["training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference", "data.eval_path=null"]
     assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo + ["data.packing=true"]).data.packing
+    assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo[1:] + ["training.objective=reward",
+                                                                  "data.packing=true"]).data.packing
     cases = [(dpo + ["data.packing=true", "preference.loss=kto"], "data.packing \\(padding-free batches: the DPO"),
-             (dpo[1:] + ["training.objective=reward", "data.packing=true"], "data.packing, concat_and_chunk"),
              (dpo + ["data.streaming=true"], "concat_and_chunk and streaming are not supported with it "
-                                                   "\\(data.packing is")]
+                                             "\\(data.packing is")]
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=message):
             load_recipe(REPO / "recipes/tiny/sft.yaml", overrides)
@@ -145,3 +189,56 @@ def test_the_bench_draws_long_tailed_pairs_and_counts_real_tokens_after_the_warm
               "loss": 1.0} for s in (1, 2, 3)]
     row = summarize("padded", steps, warmup=1)
     assert row["steps"] == 2 and row["real_tokens_per_s"] == 500 / 4 and row["computed_per_real_token"] == 3.0
+
+
+# ----------------------------------------------------------------------------------- online RL's training rows
+@pytest.mark.parametrize("case, one_row", [(dict(loss="dapo", entropy_coef=0.3), False),
+                                           (dict(loss="grpo", beta=0.1), True),
+                                           (dict(loss="dr_grpo", importance_sampling="sequence"), False),
+                                           (dict(loss="cispo", epsilon_high=1.1, beta=0.05), True)],
+                         ids=["dapo-entropy", "grpo-kl-one_row", "dr_grpo-sequence", "cispo-kl-one_row"])
+def test_rollout_rows_train_and_score_as_the_padded_ones(case, one_row, tiny_model_dir, tokenizer):
+    """GRPO's training rows padding-free (several completions per row, or all in one row as for flash-attention,
+    through transformers' own flash dispatch with CPU reference kernels: it reads restarting position ids as
+    sequences at batch size 1): the policy loss (old policy,
+    reference, entropy bonus, sequence-level ratios), every gradient and the no-gradient log-probs of the old
+    policy and the reference equal the padded rows'; the loss's per-position tensors stay in the padded layout."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.objectives import rollout
+    from disttrain.objectives.grpo import GRPOLoss
+    from disttrain.recipe.schema import RLSection
+    from flash_cpu import cpu_flash_attention
+    from test_grpo import ITEMS, _rollout_batch
+
+    cfg = RLSection(temperature=0.7, max_completion_length=8, **case)
+    padded = _rollout_batch(tokenizer)
+    packed = rollout.without_padding({k: v for k, v in padded.items() if k != rollout.ADVANTAGES_KEY},
+                                     tokenizer.pad_token_id, one_row)
+    packed[rollout.ADVANTAGES_KEY] = padded[rollout.ADVANTAGES_KEY]
+    assert packed["input_ids"].shape[0] == 1 if one_row else packed["input_ids"].shape[1] == max(
+        padded["num_tokens"].tolist())
+    assert "attention_mask" not in packed and packed[rollout.MASK_KEY].shape == padded[rollout.MASK_KEY].shape
+    generator = torch.Generator().manual_seed(0)
+    mask = padded[rollout.MASK_KEY]
+    extra = {rollout.OLD_KEY: torch.randn(mask.shape, generator=generator) * 0.2 * mask}
+    if cfg.beta:
+        extra[rollout.REF_KEY] = torch.randn(mask.shape, generator=generator) * 0.3 * mask
+    results = []
+    for batch in (padded, packed):
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        loss = GRPOLoss(model, cfg, "none")
+        # one row: as train.py lays it out for flash-attention, through transformers' flash dispatch (CPU kernels)
+        with cpu_flash_attention(model) if one_row and batch is packed else nullcontext():
+            value = loss.training_loss(model, {**batch, **extra}, torch.tensor(ITEMS))
+            value.backward()
+            logps = loss.token_logps(model, batch)
+        results.append((value.detach(), logps, {n: p.grad for n, p in model.named_parameters()
+                                                if p.grad is not None}))
+    (loss_a, logps_a, grads_a), (loss_b, logps_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logps_b, logps_a, rtol=1e-5, atol=1e-5)
+    assert grads_a and set(grads_a) == set(grads_b)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
