@@ -53,11 +53,14 @@ class GRPO:
         if recipe.rl.engine == "vllm":  # the server answers, vLLM is here: known before the model loads
             vllm_engine.check(recipe.rl)
         self.tokenizer = self.accelerator = None
-        # the training rows' layout (rollout.training_rows): padding-free with data.packing; one row for
-        # flash-attention, whose kernel reads restarting position ids as sequences only at batch size 1
-        packing = recipe.data.packing
-        self.layout = {"padding_free": packing,
-                       "one_row": packing and flattens_packed_rows(recipe.model.attn_implementation)}
+
+    @property
+    def layout(self) -> dict:
+        """The training rows' layout (rollout.training_rows): padding-free with data.packing; one row for
+        flash-attention, whose kernel reads restarting position ids as sequences only at batch size 1."""
+        packing = self.recipe.data.packing
+        return {"padding_free": packing,
+                "one_row": packing and flattens_packed_rows(self.recipe.model.attn_implementation)}
 
     def model_kwargs(self, tokenizer) -> dict:
         """The causal LM as it is; with tools, its chat template checked for them first."""
