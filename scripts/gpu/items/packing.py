@@ -31,27 +31,13 @@ def packing(ctx: Ctx, attn: str) -> tuple[str, str]:
     if not isolation["isolated"]:
         raise Fail(f"packing_isolation.py: packed examples are not isolated under {attn} "
                    f"(max abs diff {isolation['max_abs_diff']:.3g})", log)
-    # train.py evaluates only after a step; with lr 1e-30 that step moves no fp32 master weight (an Adam
-    # update is ~lr), so the eval at step 1 is the eval of the initial weights, packed or not.
-    evals = {}
-    for packed in (True, False):
-        label = "packed" if packed else "unpacked"
-        run = ctx.item_dir / label
-        tree = recipe(ctx, run, model={"attn_implementation": attn},
-                      data={"packing": packed, "eval_fraction": 0.2},
-                      training={"max_steps": 1, "lr": 1e-30, "lr_scheduler": "constant", "warmup_steps": 0,
-                                "eval_every": 1},
-                      output={"save_final_model": False, "checkpoint_at_end": False})
-        _, log = train(ctx, label, "single_gpu", tree)
-        found = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
-        if len(found) != 1 or not math.isfinite(found[0]):
-            raise Fail(f"{label}: expected one finite eval_loss in metrics.jsonl, got {found}", log)
-        evals[label] = found[0]
+    evals = {label: _eval_at_init(ctx, label, attn, {"packing": label == "packed", "eval_fraction": 0.2})
+             for label in ("packed", "unpacked")}
     rel = abs(evals["packed"] - evals["unpacked"]) / abs(evals["unpacked"])
     ctx.figures.update(eval_loss_packed=evals["packed"], eval_loss_unpacked=evals["unpacked"], eval_rel_diff=rel)
     if rel > ctx.s.eval_rtol:
         raise Fail(f"eval loss at init: packed {evals['packed']:.6g} vs unpacked {evals['unpacked']:.6g} "
-                   f"(rel {rel:.3g} > {ctx.s.eval_rtol:g})", log)
+                   f"(rel {rel:.3g} > {ctx.s.eval_rtol:g})")
     pairs_rel = _padding_free_pairs(ctx, attn)
     return PASS, (f"isolated (max abs diff {isolation['max_abs_diff']:.2g}); eval loss at init packed "
                   f"{evals['packed']:.5g} = unpacked {evals['unpacked']:.5g} (rel {rel:.2g} <= {ctx.s.eval_rtol:g}); "
@@ -62,22 +48,11 @@ def _padding_free_pairs(ctx: Ctx, attn: str) -> float:
     """Preference pairs padding-free (flash: one row, its boundaries to the varlen kernel) vs padded: ORPO's eval
     loss of the initial weights (reference-free: the policy's own log-probs, so the layout shows) through
     train.py. Returns the relative difference."""
-    evals = {}
-    for packed in (True, False):
-        label = f"pairs_{'padding_free' if packed else 'padded'}"
-        run = ctx.item_dir / label
-        tree = recipe(ctx, run, model={"attn_implementation": attn},
-                      data={"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference", "packing": packed,
-                            "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": min(ctx.s.seq, 128)},
-                      training={"objective": "dpo", "max_steps": 1, "lr": 1e-30, "lr_scheduler": "constant",
-                                "warmup_steps": 0, "eval_every": 1},
-                      preference={"loss": "orpo"},
-                      output={"save_final_model": False, "checkpoint_at_end": False})
-        _, log = train(ctx, label, "single_gpu", tree)
-        found = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
-        if len(found) != 1 or not math.isfinite(found[0]):
-            raise Fail(f"{label}: expected one finite eval_loss in metrics.jsonl, got {found}", log)
-        evals[label] = found[0]
+    data = {"path": str(REPO / "data/tiny_dpo.jsonl"), "format": "preference",
+            "eval_path": str(REPO / "data/tiny_dpo_eval.jsonl"), "max_seq_len": min(ctx.s.seq, 128)}
+    evals = {label: _eval_at_init(ctx, label, attn, {**data, "packing": packed}, {"objective": "dpo"},
+                                  preference={"loss": "orpo"})
+             for label, packed in (("pairs_padding_free", True), ("pairs_padded", False))}
     rel = abs(evals["pairs_padding_free"] - evals["pairs_padded"]) / abs(evals["pairs_padded"])
     ctx.figures.update(pairs_eval_loss_padding_free=evals["pairs_padding_free"],
                        pairs_eval_loss_padded=evals["pairs_padded"], pairs_eval_rel_diff=rel)
@@ -86,3 +61,17 @@ def _padding_free_pairs(ctx: Ctx, attn: str) -> float:
                    f"{evals['pairs_padded']:.6g} (rel {rel:.3g} > {ctx.s.eval_rtol:g})")
     return rel
 
+
+def _eval_at_init(ctx: Ctx, label: str, attn: str, data: dict, training: dict | None = None, **sections) -> float:
+    """train.py's eval loss of the initial weights under `attn`: it evaluates only after a step, and with lr 1e-30
+    that step moves no fp32 master weight (an Adam update is ~lr), so the eval at step 1 is the initial weights'."""
+    run = ctx.item_dir / label
+    tree = recipe(ctx, run, model={"attn_implementation": attn}, data=data,
+                  training={**(training or {}), "max_steps": 1, "lr": 1e-30, "lr_scheduler": "constant",
+                            "warmup_steps": 0, "eval_every": 1},
+                  output={"save_final_model": False, "checkpoint_at_end": False}, **sections)
+    _, log = train(ctx, label, "single_gpu", tree)
+    found = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r]
+    if len(found) != 1 or not math.isfinite(found[0]):
+        raise Fail(f"{label}: expected one finite eval_loss in metrics.jsonl, got {found}", log)
+    return found[0]
