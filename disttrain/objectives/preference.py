@@ -95,6 +95,12 @@ def response_tokens(batch: dict) -> torch.Tensor:
     return sequence_sums(targets.long(), batch)
 
 
+def pair_model_inputs(batch: dict) -> dict:
+    """What the model is given of a pair batch (padded: ids and mask; padding-free: ids and position ids, flash's
+    boundaries): not the labels, the pair index or the bookkeeping."""
+    return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)}
+
+
 class PreferenceLoss:
     """The loop's loss for training.objective: dpo (objectives/base.Loss; see the module docstring). `units` are
     pairs. Its engine is the chunked head (LossEngine) with the pair loss as what lm_head returns in training."""
@@ -128,7 +134,7 @@ class PreferenceLoss:
 
     @staticmethod
     def _inputs(batch: dict) -> dict:
-        return {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)}
+        return pair_model_inputs(batch)
 
     def _chunked(self, model, batch: dict) -> torch.Tensor:
         """[sequences, seq] per-token losses from the chunked head (no gradients outside training)."""

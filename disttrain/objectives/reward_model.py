@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from disttrain.data import BOOKKEEPING_KEYS
 from disttrain.data.collation import SEQUENCE_INDEX, flattens_packed_rows
 from disttrain.data.preference import PAIR_INDEX, PairCollator
-from disttrain.objectives.preference import pair_eval_record, pair_eval_rows, pair_means
+from disttrain.objectives.preference import pair_eval_record, pair_eval_rows, pair_means, pair_model_inputs
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy")
 
@@ -96,8 +95,7 @@ class BradleyTerryLoss:
         per_token = []  # the score head's output at every position (its pooled output reads each row's last token)
         handle = bare.score.register_forward_hook(lambda _module, _args, output: per_token.append(output))
         try:
-            model(**{k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and k not in ("labels", PAIR_INDEX)},
-                  use_cache=False)
+            model(**pair_model_inputs(batch), use_cache=False)
         finally:
             handle.remove()
         at = last_tokens(batch, bare.config.pad_token_id)
