@@ -201,6 +201,7 @@ def test_kto_recipes_are_checked_before_anything_loads():
     assert load_recipe(kto, ["data.path=data/tiny_dpo.jsonl", "data.format=preference",
                              "data.eval_path=null"]).data.unpaired_examples()
     assert not load_recipe(REPO / "recipes/tiny/dpo.yaml").data.unpaired_examples()
+    assert load_recipe(kto, ["data.packing=true"]).data.packing  # padding-free: tests/test_padding_free.py
     cases = [(["data.path=data/tiny_alpaca.jsonl", "data.format=alpaca", "data.eval_path=null"],
               "kto needs data.format: unpaired"),
              (["preference.loss=sigmoid"], "data.format: unpaired holds .* set training.objective: dpo with "
@@ -209,7 +210,8 @@ def test_kto_recipes_are_checked_before_anything_loads():
              (["preference.reference=none"], "compares the policy with a reference"),
              (["preference.loss=simpo"], "data.format: unpaired holds"),
              (["preference.desirable_weight=0"], "greater than 0"),
-             (["data.packing=true"], "kto pairs each example with another's response")]
+             (["data.streaming=true"], "kto pairs each example with another's response for its KL estimate: "
+                                       "concat_and_chunk and streaming are not supported with it \\(data.packing is")]
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=message):
             load_recipe(kto, overrides)

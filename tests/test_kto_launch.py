@@ -4,7 +4,9 @@ fine-tuning, the reference log-probs of every example and its KL partner precomp
 process trains -- per-step loss, z (the KL estimate all-reduced over the ranks), the per-class rewards, the
 evaluations and the exported weights -- and the desirable-minus-undesirable margin rises. LoRA KTO (the
 adapters disabled as the reference) on pairs split in two runs in the matrix's preference runs
-(tests/test_matrix.py). Tolerances as in test_preference_launch.py (fp32: only summation order differs)."""
+(tests/test_matrix.py). Under ddp, hsdp and zero3 the examples are padding-free (data.packing: the examples'
+rows apart from their partners'), so those runs also prove padding-free KTO equal to one padded process.
+Tolerances as in test_preference_launch.py (fp32: only summation order differs)."""
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from strategy_runs import make_train
 pytestmark = pytest.mark.launch
 
 STEPS = 12
+PADDING_FREE = ("ddp", "hsdp", "zero3")  # data.packing; the one process they are compared with: padded
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margin", "logps/chosen", "logps/rejected",
            "eval_loss", "eval_kl", "eval_rewards/margin")
 
@@ -31,7 +34,8 @@ def kto_run(runs, model_dir, strategy: str):
         recipe = load_recipe(REPO / "recipes/tiny/kto.yaml", [
             f"model.name_or_path={model_dir}", f"output.dir={folder / 'run'}", f"training.max_steps={STEPS}",
             f"training.micro_batch_size={8 // processes}", "training.eval_every=6", "logging.every_steps=2",
-            "logging.report_to=[]", "output.checkpoint_minutes=null"])
+            "logging.report_to=[]", "output.checkpoint_minutes=null",
+            f"data.packing={str(strategy in PADDING_FREE).lower()}"])
         tree = recipe_to_dict(recipe)
         for key in ("path", "eval_path"):
             tree["data"][key] = str(REPO / tree["data"][key])

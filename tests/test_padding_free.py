@@ -1,7 +1,8 @@
 """Padding-free pair batches (data.packing with training.objective: dpo or reward; data/preference.py's
 PairCollator): the layout, and every DPO-family loss, its gradients, its statistics, its eval rows and its
-reference log-probs, and a reward model's scores, loss and gradients, equal to the padded batch's on the same pairs
-(full and LoRA; sdpa, eager and transformers' flash path)."""
+reference log-probs, KTO's loss, KL estimate and gradients (its examples and their partners packed apart), and a
+reward model's scores, loss and gradients, equal to the padded batch's on the same pairs (full and LoRA; sdpa,
+eager and transformers' flash path)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from conftest import REPO
 from disttrain.data import IGNORE_INDEX, PAIR_INDEX, PairCollator
-from disttrain.data.collation import SEQUENCE_INDEX
+from disttrain.data.collation import SECOND_GROUP_AT, SEQUENCE_COUNT, SEQUENCE_INDEX
+from disttrain.data.unpaired import DESIRABLE, KL_PREFIX
 from disttrain.errors import RecipeError
 from disttrain.objectives.preference import PreferenceLoss, response_tokens, sequence_sums
 from disttrain.objectives.reward_model import BradleyTerryLoss
@@ -164,13 +166,94 @@ def test_sequence_log_probs_equal_the_padded_ones_for_every_attention_implementa
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_free_batches_are_the_dpo_familys_and_reward_models():
+# ---------------------------------------------------------------------------- KTO: examples and their KL partners
+def _kto_rows() -> list[dict]:
+    """_rows' pairs as KTO rows: the chosen response is the example (desirable in turn), the rejected its partner."""
+    return [{"input_ids": r["chosen_input_ids"], "labels": r["chosen_labels"], "kl_input_ids": r["rejected_input_ids"],
+             "kl_labels": r["rejected_labels"], DESIRABLE: i % 2 == 0, PAIR_INDEX: r[PAIR_INDEX]}
+            for i, r in enumerate(_rows())]
+
+
+def _kto_collator(**layout) -> PairCollator:
+    return PairCollator(0, sides=("", KL_PREFIX), carried=(DESIRABLE,), sides_apart=True, **layout)
+
+
+def test_kto_batches_hold_the_examples_rows_apart_from_their_partners():
+    """Padding-free KTO: the examples' sequences fill rows of their own, the partners' come after, so halves()
+    gives each group alone -- sequences, labels and positions those of the padded halves, numbered from 0."""
+    from disttrain.objectives.kto import halves
+
+    padded = halves(PairCollator(0, sides=("", KL_PREFIX), carried=(DESIRABLE,))(_kto_rows()))
+    for flatten in (False, True):
+        batch = _kto_collator(padding_free=True, flatten=flatten)(_kto_rows())
+        assert batch[SEQUENCE_COUNT] == 8
+        if flatten:
+            assert batch["input_ids"].shape[0] == 1 and batch[SECOND_GROUP_AT] == sum(c for c, _ in LENGTHS)
+        else:  # rows of 23 (the longest): the examples 12+9 and 5+3, then the partners 23 and 7+6+4
+            index = batch[SEQUENCE_INDEX]
+            assert batch[SECOND_GROUP_AT] == 2 and batch["input_ids"].shape == (4, 23)
+            assert (index[:2][index[:2] < 8] < 4).all() and (index[2:][index[2:] < 8] >= 4).all()
+        for half, ref in zip(halves(batch), padded):
+            assert half[SEQUENCE_COUNT] == 4 and half[PAIR_INDEX].tolist() == [0, 1, 2, 3]
+            assert int((half[SEQUENCE_INDEX] < 4).sum()) == int(ref["attention_mask"].sum())
+            for i in range(4):  # each sequence whole, positions from 0, its first target dropped
+                mine = half[SEQUENCE_INDEX] == i
+                n = int(ref["attention_mask"][i].sum())
+                assert half["input_ids"][mine].tolist() == ref["input_ids"][i, :n].tolist()
+                assert half["position_ids"][mine].tolist() == list(range(n))
+                assert half["labels"][mine].tolist()[1:] == ref["labels"][i, 1:n].tolist()
+            assert response_tokens(half).tolist() == response_tokens(ref).tolist()
+            if flatten:
+                bounds = half["cu_seq_lens_q"].tolist()
+                assert bounds[0] == 0 and bounds[-1] == half["input_ids"].shape[1] and len(bounds) == 5
+
+
+@pytest.mark.parametrize("lora, flatten", [(False, False), (True, False), (False, True)],
+                         ids=["full", "lora", "full-flash"])
+def test_kto_loss_z_and_gradients_equal_the_padded_batchs(lora, flatten, tiny_model_dir):
+    """KTO padding-free (the examples' rows with gradients, the partners' without, z from them, the reference
+    precomputed or the adapters disabled; flash: one row through transformers' flash dispatch with CPU reference
+    kernels): loss, z, statistics, eval rows and every gradient equal the padded batch's to 1e-5."""
+    from disttrain.objectives.kto import KTOLoss
+    from flash_cpu import cpu_flash_attention
+
+    cfg = PreferenceSection(loss="kto", beta=0.5, desirable_weight=1.2)
+    results = []
+    for collate in (PairCollator(0, sides=("", KL_PREFIX), carried=(DESIRABLE,)),
+                    _kto_collator(padding_free=True, flatten=flatten)):
+        batch = collate(_kto_rows())
+        model = seeded_model(tiny_model_dir, lora)
+        objective = KTOLoss(model, cfg, "adapters" if lora else "precomputed")
+        table = torch.tensor([[-60.0, -40.0], [-20.0, -95.0], [-70.0, -30.0], [-35.0, -45.0]])
+        objective.tables = {"train": table, "eval": table}
+        with cpu_flash_attention(model) if flatten and SEQUENCE_INDEX in batch else nullcontext():
+            loss = objective.training_loss(model, batch, torch.tensor(4.0))
+            loss.backward()
+            z = objective._kl
+            model.eval()
+            with torch.no_grad():
+                rows = objective.eval_rows(model, batch)
+        results.append((loss.detach(), z, objective._last, rows,
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, z_a, stats_a, rows_a, grads_a), (loss_b, z_b, stats_b, rows_b, grads_b) = results
+    assert float(z_a) > 0  # z estimated, not clamped: the partners' pass counts
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    # z: a mean difference of log-probs near -100 (LoRA: the adapters-off reference's), summed in another order
+    torch.testing.assert_close(z_b, z_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats_b, stats_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-5)
+    assert grads_a and set(grads_a) == set(grads_b)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
+def test_padding_free_batches_are_the_dpo_familys_kto_and_reward_models():
     dpo = ["training.objective=dpo", "data.path=data/tiny_dpo.jsonl", "data.format=preference", "data.eval_path=null"]
     assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo + ["data.packing=true"]).data.packing
     assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo[1:] + ["training.objective=reward",
                                                                   "data.packing=true"]).data.packing
-    cases = [(dpo + ["data.packing=true", "preference.loss=kto"], "data.packing \\(padding-free batches: the DPO"),
-             (dpo + ["data.streaming=true"], "concat_and_chunk and streaming are not supported with it "
+    assert load_recipe(REPO / "recipes/tiny/sft.yaml", dpo + ["data.packing=true", "preference.loss=kto"]).data.packing
+    cases = [(dpo + ["data.streaming=true"], "concat_and_chunk and streaming are not supported with it "
                                              "\\(data.packing is")]
     for overrides, message in cases:
         with pytest.raises(RecipeError, match=message):

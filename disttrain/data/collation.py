@@ -24,9 +24,14 @@ LENGTHS_KEY = "num_tokens"  # per-row non-padding length; popped by the loop bef
 SQUARES_KEY = "seq_len_sq"  # per-row sum of squared sequence lengths (attention FLOPs); popped likewise
 TARGETS_KEY = "num_targets"  # context parallelism: the targets of this process's part, counted before the cut
 IMAGES_COUNT_KEY = "num_images"  # vision-language rows: each row's images (the loss self-check's first row)
-# padding-free pair batches (data/preference.py): the sequence each token belongs to, for per-sequence sums
+# padding-free pair batches (data/preference.py): the sequence each token belongs to, for per-sequence sums, and
+# how many sequences it counts (an int); packed in two groups (KTO's examples, then their KL partners), the row
+# where the second group starts (flattened into one row: the token; an int)
 SEQUENCE_INDEX = "sequence_index"
-BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY, IMAGES_COUNT_KEY, SEQUENCE_INDEX)
+SEQUENCE_COUNT = "num_sequences"
+SECOND_GROUP_AT = "second_group_at"
+BOOKKEEPING_KEYS = (LENGTHS_KEY, SQUARES_KEY, TARGETS_KEY, IMAGES_COUNT_KEY, SEQUENCE_INDEX, SEQUENCE_COUNT,
+                    SECOND_GROUP_AT)
 # position t's target, already shifted (transformers' name): set before a sequence is split across ranks
 # (context parallelism), where shifting inside each shard would lose the target at every shard boundary
 SHIFT_LABELS_KEY = "shift_labels"
@@ -98,27 +103,27 @@ class Collator:
 
 
 def pack_sequences(sequences: list[tuple[list[int], list[int]]], pad_token_id: int, width: int,
-                   flatten: bool = False) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+                   flatten: bool = False, groups: int = 1) -> tuple[dict, list[tuple[int, int]]]:
     """Padding-free rows of whole (input ids, labels) sequences, none wider than `width` (first fit, longest
     first), and where each sequence went (row, start). Position ids restart at 0 for each sequence, so no
     sequence attends to another; padding (sequence index len(sequences): none of them) is a position block of
     its own, which the block-diagonal mask keeps away from real tokens. A sequence's first token is no target
-    (the previous sequence's last token would predict it). `SEQUENCE_INDEX` says whose each token is.
-    `flatten` (flash-attention): all in one row, with the boundaries its varlen kernel reads."""
+    (the previous sequence's last token would predict it). `SEQUENCE_INDEX` says whose each token is,
+    `SEQUENCE_COUNT` how many there are. `groups=2`: the first and the second half of the sequences in rows of
+    their own, the first half's first (`SECOND_GROUP_AT`: the row where the second starts), so either half can
+    be run alone. `flatten` (flash-attention): all in one row, in order, with the boundaries its varlen kernel
+    reads (`SECOND_GROUP_AT`: the token where the second half starts)."""
     lengths = [len(ids) for ids, _ in sequences]
     width = sum(lengths) if flatten else width
-    bins: list[list[int]] = []  # the rows' sequence numbers
-    for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
-        fit = next((b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= width), None)
-        if fit is None:
-            bins.append([i])
-        else:
-            fit.append(i)
+    size = len(sequences) // groups
+    parts = [range(g * size, len(sequences) if g == groups - 1 else (g + 1) * size) for g in range(groups)]
+    bins = [list(range(len(sequences)))] if flatten else \
+        [members for part in parts for members in _first_fit(part, lengths, width)]
     batch = {"input_ids": [], "labels": [], "position_ids": [], SEQUENCE_INDEX: [], LENGTHS_KEY: [], SQUARES_KEY: []}
     placed = [(0, 0)] * len(sequences)
-    for row_number, members in enumerate(sorted(bins, key=min)):
+    for row_number, members in enumerate(bins):
         row = {key: [] for key in ("input_ids", "labels", "position_ids", SEQUENCE_INDEX)}
-        for i in sorted(members):
+        for i in members:
             ids, labels = sequences[i]
             placed[i] = (row_number, len(row["input_ids"]))
             row["input_ids"] += list(ids)
@@ -133,12 +138,29 @@ def pack_sequences(sequences: list[tuple[list[int], list[int]]], pad_token_id: i
         batch[LENGTHS_KEY].append(used)
         batch[SQUARES_KEY].append(sum(lengths[i] ** 2 for i in members))
     out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+    out[SEQUENCE_COUNT] = len(sequences)
+    if groups == 2:
+        out[SECOND_GROUP_AT] = sum(lengths[:size]) if flatten else \
+            next(r for r, members in enumerate(bins) if members[0] >= size)
     if flatten:  # transformers hands these to flash_attn_varlen_func as they are (module docstring)
         starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         out.update({"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": max(lengths),
                     "max_length_k": max(lengths), LENGTHS_KEY: torch.tensor(lengths),
                     SQUARES_KEY: torch.tensor(lengths) ** 2})
     return out, placed
+
+
+def _first_fit(indices, lengths: list[int], width: int) -> list[list[int]]:
+    """The sequences `indices` in rows of at most `width` tokens (first fit, longest first), each row's members
+    in order, the rows ordered by their first member."""
+    bins: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        fit = next((b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= width), None)
+        if fit is None:
+            bins.append([i])
+        else:
+            fit.append(i)
+    return sorted((sorted(b) for b in bins), key=min)
 
 
 def _sum_of_squared_segments(position_ids) -> int:

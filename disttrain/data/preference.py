@@ -126,7 +126,8 @@ class PairCollator:
     padding-free (`padding_free`; `flatten`: in one row, for flash-attention), the loop's bookkeeping per
     row, and each pair's PAIR_INDEX. `sides`: the column prefixes of the two sequences of a row (KTO's: the
     example and its KL partner, data/unpaired.py); `carried`: per-row columns passed on as they are (one value
-    per row)."""
+    per row); `sides_apart`: padding-free, each side's sequences in rows of their own (KTO runs its examples
+    without their partners)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -134,6 +135,7 @@ class PairCollator:
     carried: tuple[str, ...] = ()
     padding_free: bool = False
     flatten: bool = False
+    sides_apart: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         sequences = [(list(r[f"{side}input_ids"]), list(r[f"{side}labels"])) for side in self.sides for r in rows]
@@ -161,4 +163,5 @@ class PairCollator:
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
     def _packed(self, sequences: list[tuple]) -> dict[str, torch.Tensor]:
-        return pack_sequences(sequences, self.pad_token_id, self._width(sequences), self.flatten)[0]
+        return pack_sequences(sequences, self.pad_token_id, self._width(sequences), self.flatten,
+                              groups=2 if self.sides_apart else 1)[0]

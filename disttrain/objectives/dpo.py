@@ -22,10 +22,12 @@ class DPO:
         return {}
 
     def collator(self, tokenizer) -> PairCollator:
+        layout = dict(padding_free=self.recipe.data.packing,
+                      flatten=flattens_packed_rows(self.recipe.model.attn_implementation))
         if self.kto:  # each example, then its KL partner
-            return PairCollator(tokenizer.pad_token_id, sides=("", KL_PREFIX), carried=(DESIRABLE,))
-        return PairCollator(tokenizer.pad_token_id, padding_free=self.recipe.data.packing,
-                            flatten=flattens_packed_rows(self.recipe.model.attn_implementation))
+            return PairCollator(tokenizer.pad_token_id, sides=("", KL_PREFIX), carried=(DESIRABLE,), sides_apart=True,
+                                **layout)
+        return PairCollator(tokenizer.pad_token_id, **layout)
 
     def loss(self, model) -> PreferenceLoss:
         return (KTOLoss if self.kto else PreferenceLoss)(model, self.recipe.preference, self.recipe.reference_mode())

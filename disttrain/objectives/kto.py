@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from disttrain.data.collation import LENGTHS_KEY, SECOND_GROUP_AT, SEQUENCE_COUNT, SEQUENCE_INDEX, SQUARES_KEY
 from disttrain.data.preference import PAIR_INDEX
 from disttrain.data.unpaired import DESIRABLE
 from disttrain.objectives.preference import PreferenceLoss, with_margin_and_sets
@@ -52,15 +53,40 @@ def kl_estimate(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 
 def halves(batch: dict) -> tuple[dict, dict]:
-    """(examples, partners): the batch's first n and last n sequences, each trimmed to its longest; the
-    per-example columns (PAIR_INDEX, desirable) in both."""
+    """(examples, partners): the batch's first n and last n sequences, each trimmed to its longest (padding-free:
+    each in its rows, or its part of the one row); the per-example columns (PAIR_INDEX, desirable) in both."""
     n = batch[PAIR_INDEX].numel()
+    if SEQUENCE_INDEX in batch:
+        return _packed_half(batch, n, True), _packed_half(batch, n, False)
     parts = []
     for part in (slice(0, n), slice(n, 2 * n)):
         half = {k: v[part] if v.dim() and v.shape[0] == 2 * n else v for k, v in batch.items()}
         width = int(half["attention_mask"].sum(-1).max())
         parts.append({k: v[:, :width] if v.dim() == 2 and v.shape[1] > width else v for k, v in half.items()})
     return parts[0], parts[1]
+
+
+def _packed_half(batch: dict, n: int, first: bool) -> dict:
+    """The examples' (`first`) or the partners' part of a padding-free batch packed in two groups
+    (data/collation.pack_sequences): their rows, or their tokens of the one flattened row with their boundaries;
+    sequences numbered from 0 again, padding n."""
+    at, flat = batch[SECOND_GROUP_AT], "cu_seq_lens_q" in batch
+    part = slice(0, at) if first else slice(at, None)
+    sequences = slice(0, n) if first else slice(n, None)
+    half = {}
+    for key, value in batch.items():
+        if key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            half[key] = value[:n + 1] if first else value[n:] - value[n]
+        elif key in (LENGTHS_KEY, SQUARES_KEY):  # per row, flattened: per sequence
+            half[key] = value[sequences if flat else part]
+        elif isinstance(value, torch.Tensor) and value.dim() == 2:
+            half[key] = value[:, part] if flat else value[part]
+        elif key != SECOND_GROUP_AT:  # the per-example columns; flash's longest (a bound for either half)
+            half[key] = value
+    index = half[SEQUENCE_INDEX]
+    half[SEQUENCE_INDEX] = index.clamp(max=n) if first else index - n  # padding (2n): n
+    half[SEQUENCE_COUNT] = n
+    return half
 
 
 def balance_note(cfg: PreferenceSection, desirable: int, undesirable: int) -> str | None:
@@ -110,6 +136,7 @@ class KTOLoss(PreferenceLoss):
 
     def training_loss(self, model, batch: dict, num_items_in_batch) -> torch.Tensor:
         examples, _ = self._prepare(model, batch, None)
+        self._layout = self.layout(examples)
         out = self.engine.output(model, examples, self._inputs(examples))
         z = self._kl.double().to(self._last.device)
         stats = torch.cat([self._last.double().sum(0), torch.stack([z, torch.ones_like(z)])])  # STATS, classes, z, 1

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from disttrain.recipe.schema import PreferenceSection
 from disttrain.data import BOOKKEEPING_KEYS, IGNORE_INDEX
-from disttrain.data.collation import SEQUENCE_INDEX
+from disttrain.data.collation import SEQUENCE_COUNT, SEQUENCE_INDEX
 from disttrain.data.preference import PAIR_INDEX
 from disttrain.errors import DisttrainError
 from disttrain.objectives.token_loss import LossEngine, chunked_loss_sum, chunked_token_losses
@@ -83,7 +83,7 @@ def sequence_sums(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
     segments = batch.get(SEQUENCE_INDEX)
     if segments is None:
         return per_token[:, :-1].sum(-1)
-    count = batch[PAIR_INDEX].numel() * 2
+    count = batch[SEQUENCE_COUNT]
     sums = per_token.new_zeros(count + 1)  # the last: padding's
     return sums.index_add_(0, segments.reshape(-1), per_token.reshape(-1))[:count]
 
@@ -128,9 +128,9 @@ class PreferenceLoss:
 
     @staticmethod
     def layout(batch: dict) -> dict:
-        """What lm_head's forward needs besides its labels to sum per sequence: the pair count and, padding-free,
-        the sequence index."""
-        return {k: batch[k] for k in (PAIR_INDEX, SEQUENCE_INDEX) if k in batch}
+        """What lm_head's forward needs besides its labels to sum per sequence: the pair index and, padding-free,
+        the sequence index and count."""
+        return {k: batch[k] for k in (PAIR_INDEX, SEQUENCE_INDEX, SEQUENCE_COUNT) if k in batch}
 
     @staticmethod
     def _inputs(batch: dict) -> dict:

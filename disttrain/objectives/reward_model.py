@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from disttrain.data.collation import SEQUENCE_INDEX, flattens_packed_rows
+from disttrain.data.collation import SEQUENCE_COUNT, SEQUENCE_INDEX, flattens_packed_rows
 from disttrain.data.preference import PAIR_INDEX, PairCollator
 from disttrain.objectives.preference import pair_eval_record, pair_eval_rows, pair_means, pair_model_inputs
 
@@ -60,7 +60,7 @@ def last_tokens(batch: dict, pad_token_id: int | None) -> torch.Tensor:
     """[sequences] flat positions (row x width + column) of each padding-free sequence's last token that is not
     `pad_token_id`, where transformers' sequence-classification head reads a padded row."""
     segments = batch[SEQUENCE_INDEX].reshape(-1)
-    count = batch[PAIR_INDEX].numel() * 2
+    count = batch[SEQUENCE_COUNT]
     positions = torch.arange(segments.numel(), device=segments.device)
     real = segments < count
     if pad_token_id is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from disttrain.data import IGNORE_INDEX, LENGTHS_KEY, SQUARES_KEY
-from disttrain.data.collation import SEQUENCE_INDEX, pack_sequences
+from disttrain.data.collation import SEQUENCE_COUNT, SEQUENCE_INDEX, pack_sequences
 from disttrain.objectives import sampling
 
 MASK_KEY = "rl_mask"              # [rows, seq]: 1 at the positions predicting a completion token trained on
@@ -135,7 +135,7 @@ def without_padding(batch: dict, pad_id: int, one_row: bool) -> dict:
     at = torch.full_like(batch["input_ids"], -1)
     for r, ((row, start), n) in enumerate(zip(placed, lengths)):
         at[r, :n] = row * width + start + torch.arange(n)
-    del packed[SEQUENCE_INDEX]
+    del packed[SEQUENCE_INDEX], packed[SEQUENCE_COUNT]
     kept = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "labels", LENGTHS_KEY,
                                                         SQUARES_KEY)}
     return {**kept, **packed, PACKED_AT: at}

@@ -112,9 +112,9 @@ class DataSection(_SourceFields):
     max_seq_len: int = Field(2048, ge=16, description="Tokens per row: longer records are truncated (format "
                              "prompt: the longest prompt; a longer one stops the run in one line)")
     packing: bool = Field(False, description="Several records per row, none attending to another (position ids "
-                          "restart per record); training.objective dpo / reward: each micro-batch's sequences "
-                          "padding-free (as TRL's padding_free), the same pairs per micro-batch; grpo: the rollouts' "
-                          "training rows padding-free")
+                          "restart per record); training.objective dpo (KTO included) / reward: each micro-batch's "
+                          "sequences padding-free (as TRL's padding_free), the same pairs per micro-batch; grpo: the "
+                          "rollouts' training rows padding-free")
     text_field: str = Field("text", description="format text: the column holding the text")
     messages_field: str = Field("messages", description="format chat: the column holding the messages")
     concat_and_chunk: bool = Field(False, description="format text: join all documents with EOS and cut them into "
@@ -739,10 +739,10 @@ class Recipe(_Section):
             raise ValueError("preference.loss: kto needs data.format: unpaired ({prompt, completion, label} records) "
                              "or preference (pairs, split into a desirable and an undesirable example) for every "
                              "source")
-        if self.data.packing or self.data.concat_and_chunk or self.data.streaming:
+        if self.data.concat_and_chunk or self.data.streaming:
             raise ValueError("preference.loss: kto pairs each example with another's response for its KL estimate: "
-                             "data.packing (padding-free batches: the DPO family's), concat_and_chunk and streaming "
-                             "are not supported with it")
+                             "concat_and_chunk and streaming are not supported with it (data.packing is: "
+                             "padding-free batches)")
 
     def _check_reward_model(self, pairs: list[bool]) -> None:
         self._check_pairs(pairs)
