@@ -234,3 +234,38 @@ def test_shipped_data_matches_its_generator(tmp_path):
 
     for path in write_data(tmp_path):
         assert path.read_text() == (REPO / "data" / path.name).read_text(), f"regenerate with make data: {path.name}"
+
+
+def test_tokenised_rows_are_cached_under_what_they_depend_on(tokenizer, monkeypatch):
+    """The tokenised rows' `datasets` cache key is made from what they depend on, not by hashing the tokenising
+    function (dill disassembles all the code it reaches): a second preparation reads the first's rows without
+    tokenising, and the key changes with the raw rows, the tokenizer's chat template, the data settings, the
+    source's and its place in a mixture."""
+    import copy
+
+    import disttrain.data.pipeline as pipeline
+    from disttrain.data.sources import load_split
+
+    section = DataSection(path=str(REPO / "data/tiny_alpaca.jsonl"), format="alpaca", max_seq_len=64)
+    first = build_datasets(section, tokenizer, 0, nullcontext)[0]
+    calls = []
+    original = pipeline.tokenize_batch
+    monkeypatch.setattr(pipeline, "tokenize_batch", lambda *a, **k: calls.append(1) or original(*a, **k))
+    again = build_datasets(section, tokenizer, 0, nullcontext)[0]
+    assert not calls and again["input_ids"] == first["input_ids"]
+
+    source = section.all_sources()[0]
+    raw = load_split(source.path, "train", source)
+    key = pipeline.tokenized_fingerprint(raw, tokenizer, section, source, 0)
+    assert key == pipeline.tokenized_fingerprint(load_split(source.path, "train", source), tokenizer, section,
+                                                 source, 0)
+    other_template = copy.deepcopy(tokenizer)
+    other_template.chat_template = tokenizer.chat_template.replace("assistant", "bot")
+    changed = [pipeline.tokenized_fingerprint(raw.select(range(3)), tokenizer, section, source, 0),
+               pipeline.tokenized_fingerprint(raw, other_template, section, source, 0),
+               pipeline.tokenized_fingerprint(raw, tokenizer, section.model_copy(update={"max_seq_len": 32}),
+                                              source, 0),
+               pipeline.tokenized_fingerprint(raw, tokenizer, section,
+                                              source.model_copy(update={"system_prompt": "Be brief."}), 0),
+               pipeline.tokenized_fingerprint(raw, tokenizer, section, source, 1)]
+    assert len({key, *changed}) == 6

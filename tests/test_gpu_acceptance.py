@@ -1,6 +1,6 @@
 """The prepared GPU acceptance run (scripts/gpu/acceptance.py) dry-runs on CPU: the items a CPU can run PASS
 on the tiny model, the GPU-only ones are SKIPped with the reason, and an item that fails (here: killed by a
-3-second --timeout) is recorded with its log tail while the items after it still run. So the first session
+0.3-second --timeout) is recorded with its log tail while the items after it still run. So the first session
 with a GPU spends its device minutes checking claims, not debugging the script.
 
 Measured here (2 cores, nothing else running): 75 s for this subset (8 launches: doctor, the forced
@@ -22,7 +22,7 @@ from conftest import REPO
 pytestmark = pytest.mark.launch
 
 RUN = ["doctor_nccl", "full_bf16_single", "lora_ddp", "packing_sdpa"]
-FORCED_FAIL = "full_bf16_fsdp"  # given 3 s: its first launch is killed
+FORCED_FAIL = "full_bf16_fsdp"  # given 0.3 s: its first launch is killed (a warm one takes ~1 s)
 GPU_ONLY = ["qlora_fsdp", "adamw_8bit", "packing_flash_attention_2", "fsdp_sync_memory", "mfu"]
 
 
@@ -31,7 +31,7 @@ def test_acceptance_dry_run_records_every_item(tmp_path):
     items = [RUN[0], FORCED_FAIL, *RUN[1:], *GPU_ONLY]  # the failure early: the rest must still run
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts/gpu/acceptance.py"), "--dry-run", "--out", str(out),
-         "--work", str(tmp_path / "work"), "--items", ",".join(items), "--timeout", f"{FORCED_FAIL}=3"],
+         "--work", str(tmp_path / "work"), "--items", ",".join(items), "--timeout", f"{FORCED_FAIL}=0.3"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: an item FAILed
     result = json.loads((out / "acceptance.json").read_text())

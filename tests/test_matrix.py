@@ -273,6 +273,9 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir,
     if "samples" in keys:
         samples = [[line for line in text.splitlines() if line.startswith("sample: ")] for text in (stdout, ref_stdout)]
         assert samples[0] and samples[0] == samples[1]
+        # sharded (not over a tp or ep mesh, whose every forward is collective): gathered whole once, not per token
+        if config.startswith(("fsdp", "hsdp", "zero3")) and COLUMN[config].tp == COLUMN[config].ep == 1:
+            assert "samples: the whole model gathered once for each evaluation's samples" in stdout
     weights = [(loaded_weights if kind == "vision" and not lora else final_weights)(run, lora) for run in (out, ref)]
     assert set(weights[0]) == set(weights[1]) and all(v.numel() > 0 for v in weights[0].values())
     for name, value in weights[1].items():

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -111,3 +113,39 @@ def test_a_live_dpo_reference_adds_one_forward_to_the_step_flops():
     attention = 12 * 2 * 4 * 8 * (9 + 4)
     assert float(plain.batch_flops(batch)) == (4 * 800 + 6 * 10) * 5 + attention
     assert float(live.batch_flops(batch)) == float(plain.batch_flops(batch)) + 2 * 800 * 5 + attention / 3
+
+
+def test_a_measured_peak_is_kept_per_machine_and_dtype(tmp_path, monkeypatch):
+    """Each rank of each CPU run would time matmuls again: the first measurement is kept (per device name, dtype,
+    torch version and threads) and read back; a broken cache file is measured over, not an error."""
+    import disttrain.metrics.throughput as throughput
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(throughput, "measured_peak", lambda device, dtype: calls.append(dtype) or 1e9 * len(calls))
+    cpu = torch.device("cpu")
+    assert throughput.peak_flops(cpu, torch.float32) == (1e9, "cpu measured peak")
+    assert throughput.peak_flops(cpu, torch.float32)[0] == 1e9 and calls == [torch.float32]
+    assert throughput.peak_flops(cpu, torch.bfloat16)[0] == 2e9  # another dtype: measured
+    assert throughput.peak_cache() == tmp_path / "disttrain" / "peak_flops.json"
+    assert sorted(json.loads(throughput.peak_cache().read_text()).values()) == [1e9, 2e9]
+    throughput.peak_cache().write_text("{not json")
+    assert throughput.peak_flops(cpu, torch.float32)[0] == 3e9 and len(calls) == 3
+    assert throughput.peak_flops(cpu, torch.float32)[0] == 3e9 and len(calls) == 3
+
+
+
+def test_deepspeeds_cpu_info_is_asked_once_per_process(monkeypatch):
+    """ZeRO-Offload's CPU Adam asks py-cpuinfo three times per optimizer, and each answer starts two Python
+    processes: kept after the first (a copy each time, so no caller changes another's)."""
+    import cpuinfo
+
+    from disttrain.runtime.backends import cpu_info_once
+
+    calls = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"flags": ["avx2"]})
+    cpu_info_once()
+    cpuinfo.get_cpu_info()["flags"].append("changed by a caller")
+    assert cpuinfo.get_cpu_info() == {"flags": ["avx2"]} and len(calls) == 1
+    cpu_info_once()  # installed once: the kept answer stays
+    assert cpuinfo.get_cpu_info() == {"flags": ["avx2"]} and len(calls) == 1

@@ -25,7 +25,9 @@ PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STOR
 # set by an import (DeepSpeed's: how torch probes CUDA; inductor's: its cache folder, at its default) in whichever
 # process makes it first: a real launcher and its workers make it themselves, warm workers made it before the
 # launch. Neither changes anything on these CPUs (no CUDA to probe; the folder is the default either way).
-SET_BY_IMPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR"}
+# mlflow's telemetry session id: set by its import where telemetry is on (outside CI: in a test process that
+# imported mlflow at collection), unset where it is off (a launch during a test, PYTEST_CURRENT_TEST set)
+SET_BY_IMPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "_MLFLOW_TELEMETRY_SESSION_ID"}
 
 
 def _launch_dump(cmd: list[str], folder) -> dict:
@@ -66,3 +68,28 @@ def test_a_launch_with_an_import_time_variable_of_its_own_runs_on_the_real_launc
         return json.loads((folder / "rank1.json").read_text())["env"]["TORCHELASTIC_USE_AGENT_STORE"]
     assert agent_store({"OMP_NUM_THREADS": "1"}) == "False"  # warm
     assert agent_store({"HF_HOME": str(tmp_path / "hf")}) == "True"  # real
+
+
+def test_import_time_variables_a_worker_applies_itself_do_what_a_new_interpreter_does(tmp_path):
+    """A launch with its own datasets cache (the GPU acceptance harness, the data bench), its own PYTHONPATH entry
+    holding a sitecustomize (the CPU ring kernel) and its own TORCH_LOGS (the compile tests) stays warm: its worker
+    applies them after the fork, and gets what `accelerate launch`'s worker gets from them at start-up."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['SITECUSTOMIZED'] = 'yes'\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           "TORCH_LOGS": "recompiles"}
+    facts = {}
+    for name, cmd in (("warm", launch_command("ddp", 1, "tests/scripts/dump_env.py")),
+                      ("real", real_launcher(launch_command("ddp", 1, "tests/scripts/dump_env.py")))):
+        folder = tmp_path / name
+        folder.mkdir()
+        proc = subprocess.run([*cmd, str(folder), "--imports"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert_ok(proc)
+        facts[name] = json.loads((folder / "rank0.json").read_text())
+    assert facts["warm"]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # served warm
+    assert facts["warm"]["imports"] == facts["real"]["imports"] == {
+        "datasets_cache": str(tmp_path / "cache"), "downloads": str(tmp_path / "cache" / "downloads"),
+        "path1": str(site), "sitecustomized": "yes", "recompiles_logged": True}

@@ -4,13 +4,19 @@ FLOPs per micro-batch = dense FLOPs/token x non-padding tokens + attention coeff
 sequences of length^2 (packed examples counted separately: they do not attend to each other). Padding is
 not counted: MFU here is useful work. Peak: the dense bf16 figure of the device from disttrain/metrics/hardware.py
 when its name is known, else (CPUs, unknown GPUs) the best of timed matmuls at the run's dtype, labelled
-"measured".
+"measured". A measurement is kept per machine (PEAK_CACHE: the device's name, the dtype, torch's version and
+thread count), so each rank of each run does not time matmuls again (up to a few seconds on a GPU, and every
+launch on a CPU); delete the file to measure again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -73,8 +79,35 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         peak = table_peak(name)
         if peak is not None:
             return peak, f"{name} datasheet"
-        return measured_peak(device, dtype), f"{name} measured peak"
-    return measured_peak(device, dtype), f"{device.type} measured peak"
+        return _kept_measurement(name, device, dtype), f"{name} measured peak"
+    return _kept_measurement(platform.processor() or platform.machine(), device, dtype), f"{device.type} measured peak"
+
+
+def peak_cache() -> Path:
+    """Where measured peaks are kept: $XDG_CACHE_HOME/disttrain (default ~/.cache/disttrain)/peak_flops.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttrain" / "peak_flops.json"
+
+
+def _kept_measurement(name: str, device: torch.device, dtype: torch.dtype) -> float:
+    """measured_peak once per machine, device, dtype, torch version and thread count; read back after that. An
+    unreadable or unwritable cache only costs the measurement."""
+    key = f"{name}|{device.type}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    path = peak_cache()
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept, dict) and isinstance(kept.get(key), (int, float)):
+        return float(kept[key])
+    peak = measured_peak(device, dtype)
+    try:  # ranks measuring at once each write the whole file; the rename keeps it whole
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**(kept if isinstance(kept, dict) else {}), key: peak}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return peak
 
 
 class FlopsMeter:

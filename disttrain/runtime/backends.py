@@ -10,6 +10,8 @@ machine without an accelerator the same configs run over gloo:
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import json
 import os
 import sys
@@ -136,6 +138,26 @@ def _import_deepspeed_without_mlflow(report_to: list[str]) -> None:
         del sys.modules["mlflow"]
 
 
+def cpu_info_once() -> None:
+    """DeepSpeed's CPU optimizers (ZeRO-Offload's DeepSpeedCPUAdam, and its op builder) ask py-cpuinfo for the
+    CPU's features three times per optimizer, and py-cpuinfo answers each call by starting two Python processes
+    (~1 CPU-s a call on every rank; measured with py-spy over the test suite). The CPU does not change while a
+    process runs: the first answer is kept (a copy handed out each time)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "kept", False):
+        return
+    ask = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(ask())
+
+    get_cpu_info.kept = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def _without_shared_memory_kernels() -> None:
     """DeepSpeed on CPU processes (tests, preflight) JIT-compiles its shared-memory all-reduce kernels in every
     new environment (~70 CPU-s, while the other ranks wait), for `inference_all_reduce` alone: ZeRO's
@@ -154,6 +176,7 @@ def _process_group_kwargs(recipe: Recipe, strategy: str, gpu: bool, report_to: l
     pg_kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.distributed.timeout_s))
     if strategy == "deepspeed":
         _import_deepspeed_without_mlflow(report_to)
+        cpu_info_once()
     if not gpu and strategy == "deepspeed":
         pg_kwargs.backend = "gloo"  # (with cpu=True accelerate picks gloo itself)
         _without_shared_memory_kernels()

@@ -69,11 +69,12 @@ def _gib(value: float) -> str:
 
 
 class RolloutWeights:
-    """Owned by a run's rollouts: decides, each rollout, how the policy is held while it samples, and says it
-    in the log when the decision is new."""
+    """Owned by a run's rollouts (or its end-of-evaluation samples): decides, each rollout, how the policy is held
+    while it samples, and says it in the log when the decision is new. `rl`: the section whose generation_weights
+    chooses (None: auto); `what`, `once`: how the log line names the generation."""
 
-    def __init__(self, accelerator, rl):
-        self.accelerator, self.rl = accelerator, rl
+    def __init__(self, accelerator, rl=None, what: str = "rollouts", once: str = "per rollout"):
+        self.accelerator, self.rl, self.what, self.once = accelerator, rl, what, once
         self.sharding = _sharding(accelerator)
         self.said: str | None = None
         self.decided: tuple[tuple[int, int], bool] | None = None  # (the largest decode shape decided on, whole?)
@@ -109,7 +110,7 @@ class RolloutWeights:
         return whole
 
     def _decide(self, module, decode_shape: tuple[int, int]) -> bool:
-        choice = self.rl.generation_weights
+        choice = self.rl.generation_weights if self.rl is not None else "auto"
         compute = self._compute_dtype()
         weights = _whole_bytes(module, self.sharding, compute)
         element = (compute or next(module.parameters()).dtype).itemsize
@@ -121,10 +122,10 @@ class RolloutWeights:
             fits = float(self.accelerator.reduce(flag, reduction="max")) == 0.0
         whole = choice == "whole" or (choice == "auto" and fits)
         sizes = f"model {_gib(weights)} + KV cache {_gib(cache)}, {_gib(free)} free on rank 0"
-        said = (f"rollouts: the whole model gathered once per rollout ({sizes}; rl.generation_weights: {choice})"
-                if whole else f"rollouts: each layer gathered for every generated token, generate() in step across "
-                f"ranks ({sizes}{'' if choice != 'auto' else ': more than 90% of it'}; rl.generation_weights: "
-                f"{choice})")
+        setting = f"; rl.generation_weights: {choice}" if self.rl is not None else ""
+        said = (f"{self.what}: the whole model gathered once {self.once} ({sizes}{setting})"
+                if whole else f"{self.what}: each layer gathered for every generated token, generate() in step across "
+                f"ranks ({sizes}{'' if choice != 'auto' else ': more than 90% of it'}{setting})")
         if said.split(" (")[0] != (self.said or "").split(" (")[0]:
             self.accelerator.print(said)
         self.said = said

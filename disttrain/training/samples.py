@@ -3,8 +3,10 @@
 The prompts are the first rows of the eval set (or of the training set without one), cut where their
 targets start (the prompt a user would send; a pair's prompt for preference data). Every rank generates the
 same prompts for exactly `logging.sample_tokens` steps (no early stop at EOS, the text is cut at the first EOS
-afterwards): under FSDP2 and ZeRO-3 each forward step gathers the sharded weights collectively, so all ranks
-must run the same number of steps or one would wait for the others forever. Logged to metrics.jsonl
+afterwards): under FSDP2 and ZeRO-3 the sharded weights are gathered whole once for the evaluation's samples
+when they fit (runtime/rollout_weights.py, as for a rollout), else each forward step gathers them, and under
+tensor or expert parallelism each forward step is itself collective, so all ranks must run the same number of
+steps or one would wait for the others forever. Logged to metrics.jsonl
 ({"samples": [{"prompt", "completion"}]}), TensorBoard (text), wandb (a table) and mlflow (an artifact).
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from disttrain.data import IGNORE_INDEX
 from disttrain.data.vision import IMAGES_KEY, vision_of
-from disttrain.runtime.backends import generating
+from disttrain.runtime.rollout_weights import RolloutWeights
 
 PROMPT_TOKENS_WITHOUT_TARGETS = 16  # a document (continued pretraining): its first tokens are the prompt
 
@@ -45,12 +47,15 @@ def sample_images(rows, count: int) -> list[list[str]]:
 
 @torch.no_grad()
 def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int,
-             images: list[list[str]] | None = None) -> list[dict]:
+             images: list[list[str]] | None = None, weights: RolloutWeights | None = None) -> list[dict]:
     """Greedy completions of every prompt (with its images, for a vision-language model), the same number of
     forward steps on every rank; a completion is cut after its first end token (EOS, or one the model's
-    generation config ends turns with: Gemma's <end_of_turn>)."""
+    generation config ends turns with: Gemma's <end_of_turn>). `weights`: how a sharded model is held meanwhile
+    (gathered whole once for all the prompts when it fits, as for a rollout)."""
     samples, vision = [], vision_of(tokenizer)
-    with generating(accelerator, model) as module:
+    weights = weights or RolloutWeights(accelerator, what="samples", once="for each evaluation's samples")
+    shape = (1, max(map(len, prompts), default=0) + new_tokens)  # one prompt per generate call
+    with weights.model(model, shape) as (module, _):
         ends = {tokenizer.eos_token_id} | set(_ids(getattr(module.generation_config, "eos_token_id", None)))
         for k, ids in enumerate(prompts):
             inputs = torch.tensor([ids], device=accelerator.device)
@@ -99,10 +104,12 @@ class Sampler:
                  images: list[list[str]] | None = None):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.prompts, self.new_tokens, self.log, self.images = prompts, new_tokens, log, images
+        self.weights = RolloutWeights(accelerator, what="samples", once="for each evaluation's samples")
         self.last: list[dict] = []
 
     def __call__(self, step: int) -> None:
-        self.last = generate(self.accelerator, self.model, self.tokenizer, self.prompts, self.new_tokens, self.images)
+        self.last = generate(self.accelerator, self.model, self.tokenizer, self.prompts, self.new_tokens, self.images,
+                             self.weights)
         self.log({"samples": self.last}, step)
         if self.accelerator.is_main_process:
             log_to_trackers(self.accelerator, self.last, step)

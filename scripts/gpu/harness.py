@@ -84,8 +84,9 @@ class Ctx:
                        deadline=time.monotonic() + timeout, figures={})
 
     def remaining(self) -> float:
+        """The item's time left for its next subprocess (killed when it is up); a FAIL when none is left."""
         left = self.deadline - time.monotonic()
-        if left <= 1:
+        if left <= 0.1:
             raise Fail(f"timed out: the item's {self.timeout:g} s were spent")
         return left
 
@@ -123,7 +124,7 @@ def run_cmd(ctx: Ctx, label: str, cmd: list[str], env: dict | None = None) -> tu
         raise
     seconds = round(time.monotonic() - started, 1)
     ctx.figures.setdefault("launch_s", {})[label] = seconds  # start-up cost, to size later runs
-    output = log.read_text(errors="replace") + (f"\n(killed after {timeout:.0f} s)\n" if timed_out else "")
+    output = log.read_text(errors="replace") + (f"\n(killed after {timeout:.3g} s)\n" if timed_out else "")
     log.write_text(output)
     with ctx.lock, ctx.launches_log.open("a") as f:
         f.write(f"\n===== {ctx.item} / {label} (exit {proc.returncode}, {seconds:g} s): "

@@ -46,6 +46,13 @@ _IMPORT_TIME_VARIABLES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATA
 # read only where two OpenMP runtimes are loaded, which torch's build here never does; HF_XET_HIGH_PERFORMANCE
 # (lm-eval's) only by downloads, and launches here download nothing (HF_HUB_OFFLINE)
 _SET_BY_TOOLS = ("KMP_DUPLICATE_LIB_OK", "HF_XET_HIGH_PERFORMANCE")
+# ... and these, which a worker applies itself after the fork as its imports would have (`_apply_in_worker`): a
+# launch's own datasets cache (the GPU acceptance harness, the data bench), its own PYTHONPATH entries (the CPU ring's
+# sitecustomize), torch's log settings (the compile tests' recompile log)
+_APPLIED_IN_WORKER = ("HF_DATASETS_CACHE", "PYTHONPATH", "TORCH_LOGS")
+# ... and those of a library the server has not imported (mlflow: DeepSpeed is imported without it), which a worker
+# reads when it imports the library itself, as a new interpreter would
+_LIBRARY_OF = {"MLFLOW": "mlflow"}
 
 
 _START_ENV: dict = {}  # the server's environment before its imports: what a launch's environment is compared with
@@ -75,6 +82,9 @@ def preload() -> None:
         __import__(name)
     transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018  (resolve the lazy modules)
     backends._import_deepspeed_without_mlflow([])  # as a DeepSpeed launch imports it
+    backends.cpu_info_once()  # as a DeepSpeed launch does, and asked once here: no worker starts py-cpuinfo's
+    if "cpuinfo" in sys.modules:  # processes (DeepSpeed installed)
+        sys.modules["cpuinfo"].get_cpu_info()
 
 
 def serve(path: str) -> None:
@@ -155,8 +165,10 @@ def why_not_warm(argv: list[str], env: dict) -> str | None:
             return arg
     # a launch from a process that made the same imports has what they set (torch's, DeepSpeed's): not a difference
     imported = {**_START_ENV, **_SET_BY_IMPORTS}
+    not_imported = tuple(prefix for prefix, module in _LIBRARY_OF.items() if module not in sys.modules)
     differing = sorted(k for k in set(env) | set(_START_ENV) if env.get(k) not in (_START_ENV.get(k), imported.get(k))
-                       and k.startswith(_IMPORT_TIME_VARIABLES) and k not in _SET_BY_TOOLS)
+                       and k.startswith(_IMPORT_TIME_VARIABLES) and k not in _SET_BY_TOOLS + _APPLIED_IN_WORKER
+                       and not (not_imported and k.startswith(not_imported)))
     return f"environment differs in {differing}" if differing else None
 
 
@@ -294,6 +306,36 @@ def _signal(pids, codes, sig) -> None:
                 pass
 
 
+def _apply_in_worker(env: dict) -> None:
+    """What the import-time variables of _APPLIED_IN_WORKER would have done in a new interpreter, where they differ
+    from the server's: datasets' cache paths (datasets/config.py derives them at import), the new PYTHONPATH
+    entries on sys.path after the script's folder, each one's sitecustomize.py run (python runs it at start-up),
+    and torch's logging set from TORCH_LOGS (as torch's import does)."""
+    cache = env.get("HF_DATASETS_CACHE")
+    if cache and cache != _START_ENV.get("HF_DATASETS_CACHE"):
+        import datasets.config as config
+
+        config.HF_DATASETS_CACHE = Path(cache)
+        config.DOWNLOADED_DATASETS_PATH = Path(env.get("HF_DATASETS_DOWNLOADED_DATASETS_PATH")
+                                               or os.path.join(cache, config.DOWNLOADED_DATASETS_DIR))
+        config.EXTRACTED_DATASETS_PATH = Path(env.get("HF_DATASETS_EXTRACTED_DATASETS_PATH")
+                                              or os.path.join(config.DOWNLOADED_DATASETS_PATH,
+                                                              config.EXTRACTED_DATASETS_DIR))
+    known = set(_START_ENV.get("PYTHONPATH", "").split(os.pathsep))
+    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+    sys.path[1:1] = added
+    for folder in added:
+        site = Path(folder) / "sitecustomize.py"
+        if site.is_file():
+            import runpy
+
+            runpy.run_path(str(site), run_name="sitecustomize")
+    if env.get("TORCH_LOGS") != _START_ENV.get("TORCH_LOGS"):
+        import torch._logging
+
+        torch._logging._init_logs()
+
+
 def _run_worker(script: str, script_args: list[str], env: dict) -> None:
     """In the forked worker: the environment torchrun would give it, then the script as `python -u` runs it."""
     import runpy
@@ -305,6 +347,7 @@ def _run_worker(script: str, script_args: list[str], env: dict) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
+        _apply_in_worker(env)
         import torch
 
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
