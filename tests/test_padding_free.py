@@ -275,17 +275,45 @@ def test_the_bench_draws_long_tailed_pairs_and_counts_real_tokens_after_the_warm
 
 
 # ----------------------------------------------------------------------------------- online RL's training rows
-@pytest.mark.parametrize("case, one_row", [(dict(loss="dapo", entropy_coef=0.3), False),
-                                           (dict(loss="grpo", beta=0.1), True),
-                                           (dict(loss="dr_grpo", importance_sampling="sequence"), False),
-                                           (dict(loss="cispo", epsilon_high=1.1, beta=0.05), True)],
-                         ids=["dapo-entropy", "grpo-kl-one_row", "dr_grpo-sequence", "cispo-kl-one_row"])
-def test_rollout_rows_train_and_score_as_the_padded_ones(case, one_row, tiny_model_dir, tokenizer):
+def _agent_rows(tokenizer) -> dict:
+    """_rollout_batch's rows as an agent's trajectories: inside two completions a tool's reply (its tokens neither
+    labelled nor weighted, agent.py's `policy` zeros), the policy's own tokens on both sides of it."""
+    from disttrain.objectives import rollout
+    from test_grpo import _rollout_batch
+
+    padded = _rollout_batch(tokenizer)
+    prompts, completions, policy = [], [], []
+    for row in range(padded["input_ids"].shape[0]):
+        ids = padded["input_ids"][row, :int(padded["attention_mask"][row].sum())].tolist()
+        start = int((padded["labels"][row] != IGNORE_INDEX).nonzero()[0])
+        reply = tokenizer(" 42 ", add_special_tokens=False)["input_ids"] if row % 2 == 0 else []
+        completion = ids[start:start + 1] + reply + ids[start + 1:]
+        prompts.append(ids[:start])
+        completions.append((completion, row == 3))
+        policy.append([1] + [0] * len(reply) + [1] * (len(completion) - 1 - len(reply)))
+    rows = rollout.training_rows(prompts, completions, tokenizer.pad_token_id, False, "cpu", policy=policy)
+    rows[rollout.ADVANTAGES_KEY] = padded[rollout.ADVANTAGES_KEY]
+    # the replies are in the rows, neither labelled nor weighted
+    assert int((rows["labels"] != IGNORE_INDEX).sum()) == int(rows[rollout.MASK_KEY].sum()) == sum(map(sum, policy))
+    assert sum(map(len, policy)) > sum(map(sum, policy))
+    return rows
+
+
+@pytest.mark.parametrize("case, one_row, tools", [(dict(loss="dapo", entropy_coef=0.3), False, False),
+                                                  (dict(loss="grpo", beta=0.1), True, False),
+                                                  (dict(loss="dr_grpo", importance_sampling="sequence"), False, False),
+                                                  (dict(loss="cispo", epsilon_high=1.1, beta=0.05), True, False),
+                                                  (dict(loss="grpo", beta=0.1, entropy_coef=0.1), False, True),
+                                                  (dict(loss="dapo"), True, True)],
+                         ids=["dapo-entropy", "grpo-kl-one_row", "dr_grpo-sequence", "cispo-kl-one_row",
+                              "grpo-kl-entropy-tools", "dapo-tools-one_row"])
+def test_rollout_rows_train_and_score_as_the_padded_ones(case, one_row, tools, tiny_model_dir, tokenizer):
     """GRPO's training rows padding-free (several completions per row, or all in one row as for flash-attention,
     through transformers' own flash dispatch with CPU reference kernels: it reads restarting position ids as
     sequences at batch size 1): the policy loss (old policy,
     reference, entropy bonus, sequence-level ratios), every gradient and the no-gradient log-probs of the old
-    policy and the reference equal the padded rows'; the loss's per-position tensors stay in the padded layout."""
+    policy and the reference equal the padded rows'; the loss's per-position tensors stay in the padded layout.
+    `tools`: an agent's trajectories, a tool's reply inside the completion, unlearned either way."""
     from transformers import AutoModelForCausalLM
 
     from disttrain.objectives import rollout
@@ -295,7 +323,7 @@ def test_rollout_rows_train_and_score_as_the_padded_ones(case, one_row, tiny_mod
     from test_grpo import ITEMS, _rollout_batch
 
     cfg = RLSection(temperature=0.7, max_completion_length=8, **case)
-    padded = _rollout_batch(tokenizer)
+    padded = _agent_rows(tokenizer) if tools else _rollout_batch(tokenizer)
     packed = rollout.without_padding({k: v for k, v in padded.items() if k != rollout.ADVANTAGES_KEY},
                                      tokenizer.pad_token_id, one_row)
     packed[rollout.ADVANTAGES_KEY] = padded[rollout.ADVANTAGES_KEY]
