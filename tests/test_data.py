@@ -239,8 +239,8 @@ def test_shipped_data_matches_its_generator(tmp_path):
 def test_tokenised_rows_are_cached_under_what_they_depend_on(tokenizer, monkeypatch):
     """The tokenised rows' `datasets` cache key is made from what they depend on, not by hashing the tokenising
     function (dill disassembles all the code it reaches): a second preparation reads the first's rows without
-    tokenising, and the key changes with the raw rows, the tokenizer's chat template, the data settings, the
-    source's and its place in a mixture."""
+    tokenising, and the key changes with the raw rows, the tokenizer's chat template, the data settings (KTO's
+    examples or pairs included), the source's and its place in a mixture."""
     import copy
 
     import disttrain.data.pipeline as pipeline
@@ -268,4 +268,7 @@ def test_tokenised_rows_are_cached_under_what_they_depend_on(tokenizer, monkeypa
                pipeline.tokenized_fingerprint(raw, tokenizer, section,
                                               source.model_copy(update={"system_prompt": "Be brief."}), 0),
                pipeline.tokenized_fingerprint(raw, tokenizer, section, source, 1)]
-    assert len({key, *changed}) == 6
+    kto = section.model_copy()
+    kto._unpaired = True  # (the recipe sets it for preference.loss: kto: the same file prepared as KTO's examples)
+    changed.append(pipeline.tokenized_fingerprint(raw, tokenizer, kto, source, 0))
+    assert len({key, *changed}) == 7

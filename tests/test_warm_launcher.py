@@ -68,6 +68,10 @@ def test_a_launch_with_an_import_time_variable_of_its_own_runs_on_the_real_launc
         return json.loads((folder / "rank1.json").read_text())["env"]["TORCHELASTIC_USE_AGENT_STORE"]
     assert agent_store({"OMP_NUM_THREADS": "1"}) == "False"  # warm
     assert agent_store({"HF_HOME": str(tmp_path / "hf")}) == "True"  # real
+    shadowing = tmp_path / "target"  # a PYTHONPATH entry holding a module the server imported (train.py's)
+    shadowing.mkdir()
+    (shadowing / "train.py").write_text("")
+    assert agent_store({"PYTHONPATH": str(shadowing)}) == "True"  # real
 
 
 def test_import_time_variables_a_worker_applies_itself_do_what_a_new_interpreter_does(tmp_path):
@@ -76,7 +80,7 @@ def test_import_time_variables_a_worker_applies_itself_do_what_a_new_interpreter
     applies them after the fork, and gets what `accelerate launch`'s worker gets from them at start-up."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("import os\nos.environ['SITECUSTOMIZED'] = 'yes'\n")
+    (site / "sitecustomize.py").write_text("import os, sys\nos.environ['SITECUSTOMIZED'] = sys.argv[0]\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
            "TORCH_LOGS": "recompiles"}
@@ -90,6 +94,8 @@ def test_import_time_variables_a_worker_applies_itself_do_what_a_new_interpreter
         assert_ok(proc)
         facts[name] = json.loads((folder / "rank0.json").read_text())
     assert facts["warm"]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # served warm
-    assert facts["warm"]["imports"] == facts["real"]["imports"] == {
+    assert facts["warm"]["imports"] == facts["real"]["imports"]
+    assert facts["real"]["imports"] == {
         "datasets_cache": str(tmp_path / "cache"), "downloads": str(tmp_path / "cache" / "downloads"),
-        "path1": str(site), "sitecustomized": "yes", "recompiles_logged": True}
+        "path1": str(site), "sitecustomized": facts["real"]["argv"][0], "recompiles_logged": True}
+    assert facts["real"]["argv"][0].endswith("dump_env.py")  # the sitecustomize saw the script's argv

@@ -149,13 +149,14 @@ def _tokenize_source(raw, origin: str | None, tokenizer, section: DataSection, s
 
 def tokenized_fingerprint(raw, tokenizer, section: DataSection, source: SourceSection, index: int) -> str:
     """The `datasets` cache key of a source's tokenised rows: what they depend on -- the raw rows (their own
-    fingerprint), the tokenizer (or processor), the data settings, the source's, its place in the mixture and the
-    code that tokenises (CODE_FILES). Given to map() as it is: map's default hashes the function, and dill then
-    disassembles every function the tokenising code reaches (~0.5 CPU-s per source and split on every rank,
-    measured with py-spy over the suite)."""
+    fingerprint), the tokenizer (or processor), the data settings (and whether records become KTO's examples),
+    the source's, its place in the mixture and the code that tokenises (CODE_FILES). Given to map() as it is:
+    map's default hashes the function, and dill then disassembles every function the tokenising code reaches
+    (~0.5 CPU-s per source and split on every rank, measured with py-spy over the suite)."""
     from datasets.fingerprint import Hasher
 
     return Hasher.hash([raw._fingerprint, Hasher.hash(tokenizer), section.model_dump(mode="json"),
+                        section.unpaired_examples(),  # (set by the recipe, not a field: KTO's examples or pairs)
                         source.model_dump(mode="json"), index, _code_hash()])
 
 

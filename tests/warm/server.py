@@ -165,6 +165,9 @@ def why_not_warm(argv: list[str], env: dict) -> str | None:
             return arg
     # a launch from a process that made the same imports has what they set (torch's, DeepSpeed's): not a difference
     imported = {**_START_ENV, **_SET_BY_IMPORTS}
+    shadowed = _shadowed_by_pythonpath(env)
+    if shadowed:  # a new interpreter would import these from the launch's own PYTHONPATH
+        return f"PYTHONPATH holds modules the server imported: {shadowed[:5]}"
     not_imported = tuple(prefix for prefix, module in _LIBRARY_OF.items() if module not in sys.modules)
     differing = sorted(k for k in set(env) | set(_START_ENV) if env.get(k) not in (_START_ENV.get(k), imported.get(k))
                        and k.startswith(_IMPORT_TIME_VARIABLES) and k not in _SET_BY_TOOLS + _APPLIED_IN_WORKER
@@ -306,6 +309,25 @@ def _signal(pids, codes, sig) -> None:
                 pass
 
 
+def _new_pythonpath(env: dict) -> list[str]:
+    """The launch's PYTHONPATH entries the server's own does not have."""
+    known = set(_START_ENV.get("PYTHONPATH", "").split(os.pathsep))
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+
+
+def _shadowed_by_pythonpath(env: dict) -> list[str]:
+    """Modules the server imported that the launch's new PYTHONPATH entries hold too (a target dir of other
+    versions): a warm worker would keep the server's, so such a launch is not served warm."""
+    names = []
+    for folder in _new_pythonpath(env):
+        if os.path.isdir(folder):
+            for entry in sorted(os.listdir(folder)):
+                name = entry[:-3] if entry.endswith(".py") else entry
+                if name in sys.modules and name != "sitecustomize":
+                    names.append(name)
+    return names
+
+
 def _apply_in_worker(env: dict) -> None:
     """What the import-time variables of _APPLIED_IN_WORKER would have done in a new interpreter, where they differ
     from the server's: datasets' cache paths (datasets/config.py derives them at import), the new PYTHONPATH
@@ -321,15 +343,16 @@ def _apply_in_worker(env: dict) -> None:
         config.EXTRACTED_DATASETS_PATH = Path(env.get("HF_DATASETS_EXTRACTED_DATASETS_PATH")
                                               or os.path.join(config.DOWNLOADED_DATASETS_PATH,
                                                               config.EXTRACTED_DATASETS_DIR))
-    known = set(_START_ENV.get("PYTHONPATH", "").split(os.pathsep))
-    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+    added = _new_pythonpath(env)
     sys.path[1:1] = added
     for folder in added:
         site = Path(folder) / "sitecustomize.py"
-        if site.is_file():
-            import runpy
+        if site.is_file():  # imported as python imports it (runpy would set sys.argv[0] to its path meanwhile)
+            import importlib.util
 
-            runpy.run_path(str(site), run_name="sitecustomize")
+            spec = importlib.util.spec_from_file_location("sitecustomize", site)
+            module = sys.modules["sitecustomize"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
     if env.get("TORCH_LOGS") != _START_ENV.get("TORCH_LOGS"):
         import torch._logging
 
@@ -347,13 +370,13 @@ def _run_worker(script: str, script_args: list[str], env: dict) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.argv = [script, *script_args]  # (set before a sitecustomize runs, as python sets them)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
         _apply_in_worker(env)
         import torch
 
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.argv = [script, *script_args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
