@@ -6,7 +6,8 @@ with a GPU spends its device minutes checking claims, not debugging the script.
 Measured here (2 cores, nothing else running): 75 s for this subset (8 launches: doctor, the forced
 failure, full_bf16_single's uninterrupted and resumed runs, lora_ddp, packing_sdpa's isolation and two eval
 runs); packing_sdpa's two runs on preference pairs (padded, padding-free) since: 10 launches, 66 s for this file
-and test_docs together on 2026-12-07. CI runs this subset: one full_bf16 item, the others are the same code
+and test_docs together on 2026-12-07; 30 s in CI the same afternoon once the warm launcher served the harness's
+launches (their own datasets cache). CI runs this subset: one full_bf16 item, the others are the same code
 under other configs.
 """
 

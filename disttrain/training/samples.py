@@ -45,6 +45,11 @@ def sample_images(rows, count: int) -> list[list[str]]:
     return [list(rows[i].get(IMAGES_KEY) or []) for i in range(min(count, len(rows)))]
 
 
+def sample_weights(accelerator) -> RolloutWeights:
+    """How the samples hold a sharded model: gathered whole once when it fits (rl.generation_weights' auto)."""
+    return RolloutWeights(accelerator, what="samples", once="for each evaluation's samples")
+
+
 @torch.no_grad()
 def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens: int,
              images: list[list[str]] | None = None, weights: RolloutWeights | None = None) -> list[dict]:
@@ -53,7 +58,7 @@ def generate(accelerator, model, tokenizer, prompts: list[list[int]], new_tokens
     generation config ends turns with: Gemma's <end_of_turn>). `weights`: how a sharded model is held meanwhile
     (gathered whole once for all the prompts when it fits, as for a rollout)."""
     samples, vision = [], vision_of(tokenizer)
-    weights = weights or RolloutWeights(accelerator, what="samples", once="for each evaluation's samples")
+    weights = weights or sample_weights(accelerator)
     shape = (1, max(map(len, prompts), default=0) + new_tokens)  # one prompt per generate call
     with weights.model(model, shape) as (module, _):
         ends = {tokenizer.eos_token_id} | set(_ids(getattr(module.generation_config, "eos_token_id", None)))
@@ -104,7 +109,7 @@ class Sampler:
                  images: list[list[str]] | None = None):
         self.accelerator, self.model, self.tokenizer = accelerator, model, tokenizer
         self.prompts, self.new_tokens, self.log, self.images = prompts, new_tokens, log, images
-        self.weights = RolloutWeights(accelerator, what="samples", once="for each evaluation's samples")
+        self.weights = sample_weights(accelerator)
         self.last: list[dict] = []
 
     def __call__(self, step: int) -> None:
