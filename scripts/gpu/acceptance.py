@@ -20,7 +20,8 @@ Items (--items a,b,c picks some; default all, started in the order below):
                               bf16 full fine-tune, world size 1: an uninterrupted run of N steps, and a new
                               launch resumed from its step-N/2 checkpoint (it must say so): per-step losses
                               equal (rel 1e-3 on GPU), final/ loads with AutoModelForCausalLM.from_pretrained;
-                              ZeRO: final/ equals its last checkpoint read back (the fp32 masters), bit for bit
+                              ZeRO: final/ equals its last checkpoint read back (the fp32 masters), bit for bit;
+                              FSDP2 and ZeRO-3: the end-of-run samples gathered the model whole once
     hsdp_2x2                  the same on 4 GPUs under accelerate_configs/hsdp.yaml (2 replicas x 2 shards);
                               SKIP on a machine with fewer GPUs (the one lent GPU: prepared, not run)
     ulysses_sp2               the same on 2 GPUs under accelerate_configs/zero3_ulysses.yaml (each sequence split

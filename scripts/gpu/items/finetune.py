@@ -9,6 +9,11 @@ from harness import PASS, Ctx, Fail, Skip, check_full_export, max_rel_diff, read
 from disttrain.runtime.startup import CYCLES_HELD_GPU_MEMORY
 
 
+# sharded configs whose samples gather the model whole once (not over a tp or ep mesh), and what the log says then
+SAMPLES_GATHER_WHOLE = ("fsdp", "hsdp", "zero3", "zero3_ulysses", "fsdp_cp")
+SAMPLES_WHOLE = "samples: the whole model gathered once"
+
+
 def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1) -> tuple[str, str]:
     """Uninterrupted vs a new launch resumed from the uninterrupted run's step-N/2 checkpoint: the same
     per-step losses after it; the export loads. `streaming`: the training data as a stream (the loader moves
@@ -30,6 +35,9 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
     held = [line for line in first.stdout.splitlines() if CYCLES_HELD_GPU_MEMORY in line]
     if held:  # the collector is paused while a run is set up (disttrain/runtime/startup.py): it held GPU memory
         raise Fail(held[0], log_a)
+    if config in SAMPLES_GATHER_WHOLE and SAMPLES_WHOLE not in first.stdout:  # the small model fits a GPU
+        raise Fail(f"the end-of-run samples under {config} did not say '{SAMPLES_WHOLE}' "
+                   "(disttrain/training/samples.py: sharded weights gathered once when they fit)", log_a)
     saved = a / "checkpoints" / f"step-{stop:08d}"
     second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data),
                           (f"output.resume={saved}",), nproc=nproc)
