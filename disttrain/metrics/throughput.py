@@ -4,7 +4,7 @@ FLOPs per micro-batch = dense FLOPs/token x non-padding tokens + attention coeff
 sequences of length^2 (packed examples counted separately: they do not attend to each other). Padding is
 not counted: MFU here is useful work. Peak: the dense bf16 figure of the device from disttrain/metrics/hardware.py
 when its name is known, else (CPUs, unknown GPUs) the best of timed matmuls at the run's dtype, labelled
-"measured". A measurement is kept per machine (PEAK_CACHE: the device's name, the dtype, torch's version and
+"measured". A measurement is kept per machine (peak_cache(): by the device's name, the dtype, torch's version and
 thread count), so each rank of each run does not time matmuls again (up to a few seconds on a GPU, and every
 launch on a CPU); delete the file to measure again.
 """
