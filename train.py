@@ -14,7 +14,6 @@ import argparse
 import os
 import signal
 import sys
-
 from disttrain.runtime import startup
 startup.pause_collector()  # until the run is set up: disttrain/runtime/startup.py says why
 from disttrain.errors import exit_on_user_error  # noqa: E402
@@ -61,6 +60,7 @@ def main(argv=None):
     guards.at("creating the process group (rendezvous with the other ranks)")
     accelerator = build_accelerator(recipe)
     scorer = scorer_for(accelerator, recipe)  # an unknown evaluation task stops the run here
+    startup.freeze_imports()  # what exists now lives as long as the process: out of the collector's sight
     cfg = recipe.training
     shape = checkpoint.RunShape.of(plan, cfg, recipe.data.streaming)
     resume_from, saved_state = checkpoint.resume_point(recipe.output, shape)  # a bad checkpoint fails now

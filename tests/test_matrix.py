@@ -158,8 +158,8 @@ def variant(kind: str, config: str) -> tuple[str, ...]:
         loss = matrix.PREFERENCE_LOSS[config]
         return ("lora.r=8", "lora.dropout=0", f"preference.loss={loss}",
                 *(("preference.reference=none",) if loss in ("simpo", "orpo") else ()))
-    return {"rl": matrix.RL_VARIANT, "reward": matrix.REWARD_VARIANT,
-            "vision": matrix.VISION_VARIANT}.get(kind, {}).get(config, ())
+    return {"rl": matrix.RL_VARIANT, "reward": matrix.REWARD_VARIANT, "vision": matrix.VISION_VARIANT,
+            "distill": matrix.DISTILL_VARIANT}.get(kind, {}).get(config, ())
 
 
 def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,
@@ -217,10 +217,10 @@ def loaded_weights(out: Path, lora: bool) -> dict:
     return model.state_dict()
 
 
-COMPARED = ("loss", "eval_loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
+COMPARED = ("loss", "eval_loss", "eval_nll", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
             "clip_ratio/region_mean", "frac_reward_zero_std")
 COMPARED_PREFIXES = ("eval_loss/", "lm_eval/", "rewards/", "eval_rewards/", "logps/", "dynamic_sampling/",
-                     "starts_with_a_word/")  # a reward function's log_metric, gathered over the ranks
+                     "starts_with_a_word/", "distill/")  # a reward function's log_metric, gathered over the ranks
 
 
 def compared(out: Path) -> dict[tuple[int, str], float]:
@@ -252,6 +252,12 @@ def test_feature_run_trains_like_one_process(config, kind, runs, tiny_model_dir,
         assert (resampled > 0) == ("rl.dynamic_sampling=2" in extra), resampled  # groups without signal redrawn
         logged = any(k == "starts_with_a_word/share" for _, k in ours)  # TRL's log_metric, every rank's calls
         assert logged == any("starts_with_a_word" in e for e in extra)
+    if "distill" in keys:  # the step's answers: sampled by the student (1), the teacher or the dataset (0), as drawn
+        shares = {v for (_, k), v in ours.items() if k == "distill/on_policy"}
+        lmbda = next(float(e.split("=")[1]) for e in (*matrix.FEATURE["distill"].overrides, *extra)[::-1]
+                     if e.startswith("distill.lmbda="))
+        assert shares == ({1.0} if lmbda == 1 else {0.0} if lmbda == 0 else {0.0, 1.0}), shares
+        assert any(k == "eval_nll" for _, k in ours)
     if "scoring" in keys:
         assert {s for s, k in ours if k.startswith("lm_eval/")} == {STEPS}  # the last checkpoint, scored
     if "time_checkpoints" in keys:  # the clock is due at every step: every rank saved every step, completely

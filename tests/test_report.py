@@ -11,7 +11,7 @@ from disttrain.errors import DisttrainError
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, assert_ok, base_recipe, free_port, write_recipe
+from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
 from disttrain.metrics.log import read_metrics
 from disttrain.report import summary_row, summary_table, write_report
 from disttrain.training.samples import sample_prompts
@@ -125,7 +125,7 @@ def test_sample_prompts_stop_where_the_targets_start():
 @pytest.mark.launch
 def test_strategies_one_after_another_with_the_defaults(tmp_path, tiny_model_dir):
     """`make train-ddp`, then `make train-fsdp` with the same recipe: each gets its own dir ({strategy}-
-    {processes}), both finish with a model card and plots; the same command again says the run is complete."""
+    {processes}), both finish with a model card and plots; the DDP run launched again says it is complete."""
     tree = base_recipe(tiny_model_dir, tmp_path / "runs" / "{strategy}-{processes}",
                        training={"max_steps": 4, "eval_every": 2}, logging={"report_to": ["tensorboard"], "samples": 2},
                        data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")}, output={"report": True})
@@ -150,5 +150,6 @@ def test_strategies_one_after_another_with_the_defaults(tmp_path, tiny_model_dir
         assert all(s["prompt"].endswith("assistant\n") for s in samples[0]["samples"])
         events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents*")).parent)).Reload()
         assert "samples/text_summary" in events.Tags()["tensors"]
-    again = make("train-ddp")
+    again = launch("ddp", recipe)  # the same run again (train.py's own check; the warm launcher, as the matrix)
+    assert_ok(again)
     assert "run complete:" in again.stdout and "final model:" not in again.stdout

@@ -283,6 +283,59 @@ def test_the_whole_model_rule_decides_once_says_so_and_keeps_the_forward_collect
     assert decide(RLSection(generation_weights="per_layer"), (1, 1))[1] is True
 
 
+@pytest.fixture
+def one_process_group():
+    """A one-process gloo group in this process (FSDP2 needs one), taken down after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("policy", [{}, {"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16,
+                                                                          "output_dtype": torch.float32}])
+def test_an_fsdp2_model_gathered_whole_samples_what_its_hooks_sample_and_gets_them_back_in_order(
+        policy, tiny_model_dir, tokenizer, one_process_group):
+    """FSDP2 (the decoder layers, then the final norm with the LM head grouped as accelerate groups them, then the
+    root) under a mixed-precision policy or none: gathered whole for a rollout, its forward hooks are off -- or,
+    where the policy casts, only its casts stay -- the greedy samples and the last logits equal what the model
+    with every hook in place computes, and every hook dict is back, same hooks, same order."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.runtime.rollout_weights import _fsdp2_whole
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    mp = MixedPrecisionPolicy(**policy)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard([model.model.norm, model.lm_head], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
+    before = [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in hooked]
+    ids = tokenizer([PROMPTS[0]], return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+    def greedy():
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+        return out.sequences, out.logits[-1]
+
+    with torch.no_grad():
+        model(ids)  # the root's lazy initialisation, as training's first forward does it
+    expected = greedy()
+    with _fsdp2_whole(model):
+        left = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
+        casts = bool(policy)  # param_dtype set: the inputs cast; output_dtype: the outputs too
+        assert bool(left) == casts and all(len(m._forward_pre_hooks) == 1 for m in left)
+        assert all(bool(m._forward_hooks) == ("output_dtype" in policy) for m in left)
+        ours = greedy()
+    assert torch.equal(ours[0], expected[0])
+    assert ours[1].dtype == expected[1].dtype and torch.equal(ours[1], expected[1])
+    assert [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in hooked] == before
+
+
 def test_the_static_cache_engine_samples_what_generate_samples(model, tokenizer):
     cfg = RLSection(num_generations=4, max_completion_length=10)
     rows, seeds = _rows(tokenizer)

@@ -121,7 +121,6 @@ def check_trackers(report_to: list[str]) -> None:
 COMPILE_PROVEN = ("single", "ddp", "fsdp")
 STREAMING_PROVEN = ("single", "ddp", "fsdp", "zero3")
 ROUTER_GLOBAL_PROVEN = ("single", "ddp", "fsdp_ep")
-DISTILL_PROVEN = ("single", "ddp", "fsdp", "zero3")
 
 
 def check_unproven(recipe: Recipe, label: str) -> None:
@@ -138,10 +137,6 @@ def check_unproven(recipe: Recipe, label: str) -> None:
         raise DisttrainError(f"model.router_balance=global is not proven under {label} (proven: one process, "
                              f"ddp.yaml, fsdp_ep.yaml: tests/test_expert_parallel.py): use one of those, "
                              f"model.router_balance=micro_batch, or set {ALLOW_UNVERIFIED}=1 to try it")
-    if t.objective == "distill" and label not in DISTILL_PROVEN:
-        raise DisttrainError(f"training.objective=distill is not proven under {label} (proven: one process, "
-                             f"ddp.yaml, fsdp.yaml, zero3.yaml: tests/test_distill_launch.py): use one of those, or "
-                             f"set {ALLOW_UNVERIFIED}=1 to try it")
     if d.streaming and label not in STREAMING_PROVEN:
         raise DisttrainError(f"data.streaming=true is not proven under {label} (proven: one process, ddp.yaml, "
                              f"fsdp.yaml, zero3.yaml): use a map-style dataset (data.streaming=false), one of those "

@@ -85,7 +85,7 @@ Cell = Proven | Refused | NeedsGpu
 # process on the same recipe: `adapters`, `full`, `preference` to the strategy matrix's tolerances;
 # `noise` (stochastic) with replicas compared every step and losses within NOISE_TOLERANCE. In the one-process
 # column the run is the reference itself: its cells say the features run there.
-RUN_KINDS = ("adapters", "full", "noise", "preference", "rl", "reward", "vision")
+RUN_KINDS = ("adapters", "full", "noise", "preference", "rl", "reward", "vision", "distill")
 NOISE_TOLERANCE = 0.05
 
 FEATURES = (
@@ -139,8 +139,10 @@ FEATURES = (
     Feature("reward_model", "reward-model training (a score head, Bradley-Terry; the variants below)",
             ("training.objective=reward", "data.path=data/tiny_dpo.jsonl", "data.format=preference",
              "data.eval_path=data/tiny_dpo_eval.jsonl", "training.eval_every=2")),
+    # the feature runs' teacher: the one-layer student model, unlike the tiny model it teaches (same tokenizer)
     Feature("distill", "distillation (GKD: a teacher's distributions, on-policy samples)",
-            ("training.objective=distill", "distill.teacher=artifacts/tiny-llama", "distill.lmbda=0.5")),
+            ("training.objective=distill", "distill.teacher=artifacts/tiny-student", "distill.lmbda=0.5",
+             "distill.max_completion_length=8", "training.eval_every=2")),
     Feature("vlm", "vision-language SFT (images; the variants below)",
             ("data.path=data/tiny_vlm_mixed.jsonl", "data.format=chat", "data.eval_path=data/tiny_vlm_eval.jsonl",
              "data.max_seq_len=64", "training.eval_every=2"), vision=True),
@@ -226,8 +228,10 @@ RL_VARIANT = {
                      "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
                      "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
     # DAPO's resampling, on a coarse reward whose groups often score alike (answer_words logged, weighed 0);
-    # REINFORCE++-baseline's whitening over the tokens trained on (truncated completions left out) of 4 processes
+    # REINFORCE++-baseline's whitening over the tokens trained on (truncated completions left out) of 4 processes;
+    # a LoRA policy under FSDP2 (its first forward a rollout entering below the root)
     "hsdp": ("rl.loss=bnpo", "rl.mask_truncated_completions=true", "rl.dynamic_sampling=2", "rl.advantage=reinforce_pp",
+             "lora.r=8", "lora.dropout=0",
              "rl.rewards=[{function: recipes/tiny/rewards.py:starts_with_a_word}, "
              "{function: recipes/tiny/rewards.py:answer_words, weight: 0.0}]"),
     "zero1": ("rl.loss=dr_grpo", "rl.scale_rewards=batch", "rl.entropy_coef=0.05", "rl.repetition_penalty=1.3"),
@@ -255,6 +259,16 @@ VISION_VARIANT = {
     "single_gpu": (), "ddp": (), "fsdp": (), "fsdp_offload": ("model.freeze=[]",),
     "hsdp": ("lora.r=8", "lora.dropout=0"), "zero1": ("model.freeze=[]",), "zero2": ("lora.r=8", "lora.dropout=0"),
     "zero3": (), "zero3_offload": ("model.freeze=[]",),
+}
+# The distillation feature runs (the row's ddp, fsdp, zero3 cells: tests/test_distill_launch.py's 80-step runs):
+# each step on the student's samples or, per distill.lmbda's draw, the teacher's (seq_kd: the frozen teacher
+# sampling) or the dataset's answers (lmbda 0); a LoRA student; the divergence forward or reverse; each compared
+# with one process running the same variant (configs sharing a variant share that reference).
+DISTILL_VARIANT = {
+    "fsdp_offload": ("distill.seq_kd=true",), "zero3_offload": ("distill.seq_kd=true",),
+    "hsdp": ("lora.r=8", "lora.dropout=0", "distill.lmbda=1"),
+    "zero2": ("lora.r=8", "lora.dropout=0", "distill.lmbda=1"),
+    "zero1": ("distill.lmbda=0", "distill.beta=1"),
 }
 VISION_REFUSAL = "Ulysses, context or tensor parallelism (images"
 TP_REFUSAL = "is not supported under tensor parallelism"
@@ -420,8 +434,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         "fsdp_ep": Refused("training.objective=reward " + EP_REFUSAL),
     },
     "distill": {
-        **_each(("fsdp_offload", "hsdp", "zero1", "zero2", "zero3_offload"),
-                lambda c: Refused("training.objective=distill is not proven under")),
+        **_each(tuple(DISTILL_VARIANT), lambda c: _run("distill", ", ".join(DISTILL_VARIANT[c]))),
         "single_gpu": Proven((f"{DISTILL}[ddp]",), SINGLE_REFERENCE),
         **_each(("ddp", "fsdp", "zero3"), lambda c: Proven((f"{DISTILL}[{c}]",), "lmbda 1: the student's samples, "
                                                            "equal to one process until fp32 rounding parts them")),

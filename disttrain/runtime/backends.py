@@ -315,10 +315,14 @@ def bare_model(accelerator, model):
 def generating(accelerator, model):
     """The bare model ready for generate() in eval mode, train mode restored after. Under FSDP2, generate() may
     enter below the root module (peft's generate calls the base model), so the root's own parameters would stay
-    sharded: they are gathered for the whole generation (the layers gather themselves per forward)."""
+    sharded: they are gathered for the whole generation (the layers gather themselves per forward). And where a
+    generation is the run's first forward (online RL's first rollout, distillation's first on-policy step), the
+    first unit it entered would make itself FSDP2's root and the training forward after it would stop ("FSDP
+    state has already been lazily initialized"): the real root initialises first, as its own forward would."""
     module = bare_model(accelerator, model)
     root = module if _is_fsdp2(module) else None
     if root is not None:
+        root._get_fsdp_state()._lazy_init()  # idempotent: a no-op once the root has run a forward
         root.unshard()
     was_training = model.training
     model.eval()

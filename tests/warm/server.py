@@ -78,7 +78,11 @@ def preload() -> None:
                  "disttrain.metrics.trackers", "disttrain.model.loading", "disttrain.objectives",
                  "disttrain.recipe.compat", "disttrain.report.run_files", "disttrain.parallel.plan",
                  "disttrain.training.checkpoint", "disttrain.training.handover", "disttrain.training.loop",
-                 "disttrain.training.optim", "disttrain.training.samples"):
+                 "disttrain.training.optim", "disttrain.training.samples",
+                 # what the objectives import when a recipe asks: TRL's fused head (training.loss_impl: trl) and
+                 # chat-template tools (rl.tools), the objectives' own modules
+                 "disttrain.objectives.dpo", "disttrain.objectives.grpo", "disttrain.objectives.distill",
+                 "disttrain.objectives.agent", "trl.trainer.utils", "trl.chat_template_utils"):
         __import__(name)
     transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018  (resolve the lazy modules)
     backends._import_deepspeed_without_mlflow([])  # as a DeepSpeed launch imports it
