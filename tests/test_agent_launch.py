@@ -38,11 +38,11 @@ QUIET = ("logging.report_to=[none]", "logging.samples=0", "output.report=false",
 
 @pytest.fixture
 def tool_model_dir(runs, tiny_model_dir):
-    """recipes/tiny/tool_sft.yaml on the tiny model, 200 of its steps: the model calls the tool in most answers at
+    """recipes/tiny/tool_sft.yaml on the tiny model, 120 of its steps: the model calls the tool in most answers at
     the rollouts' temperature (some calls malformed: the failure path runs too)."""
     def make(folder):
         assert_ok(launch("single_gpu", REPO / "recipes/tiny/tool_sft.yaml", nproc=1, overrides=(
-            *QUIET, f"model.name_or_path={tiny_model_dir}", f"output.dir={folder}/sft", "training.max_steps=200",
+            *QUIET, f"model.name_or_path={tiny_model_dir}", f"output.dir={folder}/sft", "training.max_steps=120",
             "logging.every_steps=50")))
         return folder / "sft" / "final"
     return runs.get("agent-tool-sft", make)
