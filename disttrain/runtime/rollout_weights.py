@@ -229,8 +229,10 @@ def _zero3_whole(engine):
     if params:
         params[0].all_gather_coalesced(params).wait()
     torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", linear)
-    start = None  # the root's start-of-forward hook: its step reset compares the module trace across ranks (a
-    if offload is not None:  # broadcast) at every decode step while the trace records, as after each rollout
+    # the root's start-of-forward hook too: its step reset compares the module trace across ranks (a broadcast)
+    # at every decode step while the trace records, as it does after each rollout
+    start = None
+    if offload is not None:
         for param in offload.module.parameters():
             param.ds_active_sub_modules.clear()
         for hook in offload.forward_hooks + offload.backward_hooks:
