@@ -20,8 +20,9 @@ pytestmark = pytest.mark.launch
 STEPS = 80
 # Steps compared with one process: fp32 summation orders differ by ~1e-7 a step, and on-policy sampling amplifies
 # them (at lr 1e-2 the losses part by 1e-5 at step 35, then a sampled token flips and the runs go their own ways,
-# both learning); the resumed DDP run stops at step 20, inside the compared steps
-EQUAL_STEPS = 30
+# both learning); the resumed DDP run stops at step 20, inside the compared steps. ZeRO-3's variant (half the
+# steps on the teacher's samples) parts sooner: 1e-5 at step 18, 3e-4 at step 28 in one CI run of 2026-12-07
+EQUAL_STEPS = {"ddp": 30, "fsdp": 30, "zero3": 20}
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_on_policy_distillation_trains_like_one_process_and_learns_the_teachers_
     out = distill_run(runs, student_dir, teacher_dir, config, variant)
     ours, theirs = metric(out, "loss"), metric(single, "loss")
     assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
-    for step in range(1, EQUAL_STEPS + 1):  # the same samples, the same divergence
+    for step in range(1, EQUAL_STEPS[config] + 1):  # the same samples, the same divergence
         assert ours[step] == pytest.approx(theirs[step], rel=1e-4, abs=1e-6), f"step {step}"
         for key in ("distill/student_logps", "distill/teacher_logps", "target_tokens"):
             assert metric(out, key)[step] == pytest.approx(metric(single, key)[step], rel=1e-4), f"{key} {step}"

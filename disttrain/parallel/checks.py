@@ -247,6 +247,8 @@ def check_vision_language(recipe: Recipe, family: Family, splits_rows: bool) -> 
                 "exact, e.g. Qwen-VL's 3-D positions restart per image)"),
                (d.streaming, "data.streaming=true"),
                (t.loss_impl == "trl", "training.loss_impl=trl (TRL's fused head on a vision-language forward)"),
+               (t.mixed_precision == "fp8", "training.mixed_precision=fp8 (an image encoder's layers in float8, "
+                "unverified here)"),
                (m.quantization is not None, "model.quantization (4-bit image encoders, unverified here)"),
                (set(m.freeze or ()) >= set(PARTS), "model.freeze of every part (nothing would train)")]
     for found, what in refused:
@@ -261,9 +263,10 @@ def check_before_launch(recipe: Recipe, plan, gpu: bool) -> None:
     (restarts, the preemption shutdown timeout)."""
     from disttrain.model import hub
     from disttrain.recipe.compat import check, check_trackers, check_unproven, check_zero3_export
-    from disttrain.runtime import guards
+    from disttrain.runtime import fp8, guards
 
     check(recipe, plan.strategy, gpu)
+    fp8.check(recipe, plan.label, gpu)
     plan.check_recipe(recipe, gpu)  # what the mesh refuses (parallel/checks.py)
     check_unproven(recipe, plan.label)
     check_trackers(recipe.logging.report_to)

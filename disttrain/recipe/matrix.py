@@ -159,6 +159,7 @@ FEATURES = (
     Feature("loss_trl", "loss_impl: trl (TRL's fused head)", ("training.loss_impl=trl",)),
     Feature("bf16", "bf16 mixed precision", ("training.mixed_precision=bf16",)),
     Feature("fp16", "fp16 mixed precision", ("training.mixed_precision=fp16",)),
+    Feature("fp8", "fp8 (torchao's float8 layers; emulated on CPU)", ("training.mixed_precision=fp8",)),
     Feature("eval_sets", "eval sets (eval_path, eval_every)", ("training.eval_every=2",)),
     Feature("adamw_8bit", "8-bit AdamW (bitsandbytes)", ("training.optimizer=adamw_8bit",)),
     Feature("offload_activations", "offload_activations", ("training.offload_activations=true",)),
@@ -183,6 +184,7 @@ AGENT = "tests/test_agent_launch.py::test_rollouts_with_a_tool_train_like_one_pr
 MOE_OTHER = f"{PF}::test_moe_recipes_train_like_one_process_under_the_other_strategies"
 MOE_RESUME = f"{PF}::test_moe_recipes_train_like_one_process_across_their_resume"
 COMPILE = "tests/test_compile.py::test_compiled_run_matches_eager_losses_without_recompiles"
+FP8 = "tests/test_fp8.py"
 
 ZERO = ("zero1", "zero2", "zero3", "zero3_offload")
 FSDP_FAMILY = ("fsdp", "fsdp_offload", "hsdp")
@@ -495,6 +497,13 @@ CELLS: dict[str, dict[str, Cell]] = {
         **_each(CONFIGS, lambda c: NeedsGpu("full_fp16" if c == "single_gpu" else None)),
         **_each(TENSOR, lambda c: Refused("training.mixed_precision=fp16 (its loss scaler", on_gpu=True)),
         "fsdp_ep": Refused("training.mixed_precision=fp16 (its loss scaler", on_gpu=True),
+    },
+    "fp8": {
+        **_each(CONFIGS, lambda c: Refused("training.mixed_precision=fp8 is not supported under")),
+        "single_gpu": Proven((f"{FP8}::test_fp8_trains_like_bf16_and_exports_the_plain_model",), SINGLE_REFERENCE),
+        "ddp": Proven((f"{FP8}::test_fp8_under_ddp_resumes_equal_to_one_process",), "stopped after step 3, resumed"),
+        "fsdp": Proven((f"{FP8}::test_fp8_under_fsdp2_trains_like_one_process",),
+                       "within the noise tolerance: FSDP2 gathers the weights in bf16 before their float8 cast"),
     },
     "eval_sets": _each(CONFIGS, lambda c: _run("adapters")),
     "adamw_8bit": {

@@ -196,8 +196,9 @@ class TrainingSection(_Section):
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.999, description="AdamW beta2")
     adam_epsilon: float = Field(1e-8, description="AdamW epsilon")
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("bf16", description="Autocast precision (no: the "
-                                                           "weights' dtype throughout)")
+    mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field(
+        "bf16", description="Autocast precision (no: the weights' dtype throughout); fp8: bf16 autocast with the "
+        "aligned linear layers in float8 (torchao through accelerate; emulated on CPU; docs/strategies.md, 'FP8')")
     seed: int = Field(42, description="Seeds the data order, initialisation and dropout (resumed exactly)")
     eval_every: int | None = Field(None, ge=1, description="Optimizer steps between evaluations")
     stop_at_step: int | None = Field(None, ge=1, description="End this invocation at this step (checkpointed); "

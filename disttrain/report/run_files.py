@@ -144,6 +144,10 @@ def describe_run(accelerator, recipe: Recipe, model, plan, per_epoch: int, total
         f"total_steps={total_steps}")
     from disttrain.runtime.backends import fsdp_layout
 
+    if t.mixed_precision == "fp8":
+        from disttrain.runtime import fp8
+
+        accelerator.print(f"run: {fp8.describe(bare_model(accelerator, model))}")
     layout = fsdp_layout(model)
     if layout:  # FSDP2 or TP: which mesh the parameters live on (HSDP: replicated x sharded)
         accelerator.print(f"run: {'tensor-parallel' if plan.tensor_parallel else 'FSDP2'} parameters on the mesh "

@@ -212,6 +212,12 @@ def build_accelerator(recipe: Recipe):
         project_config=ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=f"{recipe.output.dir}/runs"),
         kwargs_handlers=[pg_kwargs],
     )
+    if recipe.training.mixed_precision == "fp8":
+        from disttrain.runtime import fp8
+
+        kwargs["kwargs_handlers"].append(fp8.recipe_kwargs(strategy, gpu))
+        if strategy == "fsdp":
+            fp8.load_whole_on_every_rank()
     if recipe.training.compile:
         # Regional: the repeated decoder block is compiled once and reused by every layer, so compile time
         # does not grow with depth, and FSDP2's per-block sharding stays outside the compiled graphs.

@@ -62,6 +62,7 @@ KIT = [
     Part("deepspeed", "build", "ZeRO items (a source archive on PyPI: built here, ops compile just in time)"),
     Part("hjson", "pure", "deepspeed"),
     Part("bitsandbytes", "slim", "QLoRA and adamw_8bit items"),
+    Part("torchao", "binary", "fp8_vs_bf16 item: torchao's float8 layers (training.mixed_precision: fp8)"),
     Part("trl", "pure", "loss_memory item: TRL's fused LM head (training.loss_impl: trl) beside the chunked loss"),
     Part("lm_eval", "pure", "eval_during_training item: lm-evaluation-harness (evaluation: section, make eval)"),
     Part("evaluate", "pure", "lm_eval"),
