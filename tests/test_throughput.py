@@ -34,6 +34,15 @@ def test_unknown_devices_get_a_measured_peak():
     assert time.perf_counter() - start < 5
 
 
+def test_measuring_the_peak_leaves_the_random_stream_alone():
+    """It runs after each process seeded its stream, on whichever ranks find no kept peak: drawing from the global
+    generator left a tensor-parallel group's ranks different dropout masks (the replica guard stopped the run)."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    measured_peak(torch.device("cpu"), torch.float32, sizes=(8,), repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_measured_peak_is_the_best_size(monkeypatch):
     """Max over sizes of the best repeat, warm-up excluded: small matmuls and first calls understate a peak."""
     import disttrain.metrics.throughput as throughput

@@ -52,9 +52,13 @@ def measured_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ..
     cuda = device.type == "cuda"
     sizes = sizes or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
     best_flops = 0.0
+    # its own generator: the global stream is seeded per random stream before this runs, and a rank measuring
+    # while another reads the kept peak would leave them different dropout masks where they must share them
+    # (a tensor-parallel group: the replica guard stopped such a run at step 2)
+    generator = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
         times = []
         for _ in range(repeats + 1):
             if cuda:
