@@ -113,3 +113,28 @@ def test_on_policy_distillation_trains_like_one_process_and_learns_the_teachers_
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10]), "the divergence did not fall"
     start, end = heldout_loss(student_dir), heldout_loss(out / "final")  # the final model loads
     assert end < 0.7 * start, f"held-out loss {start:.3f} -> {end:.3f}"
+
+
+def test_a_mixture_of_experts_teacher_trains_like_one_process_under_zero3(runs, student_dir, tiny_moe_dir, tmp_path):
+    """A Qwen3-MoE teacher (4 experts, 2 per token) beside the dense student under ZeRO-3, frozen in its own
+    inference engine: half the steps on answers the teacher samples (seq_kd: its routed forward token by token,
+    ranks routing differently), the others on the student's; each step equal to one process's."""
+    def run(config: str):
+        processes = 1 if config == "single_gpu" else 2
+        recipe = base_recipe(student_dir, tmp_path / config,
+                             data={"path": str(REPO / "data/tiny_prompts.jsonl"), "format": "prompt",
+                                   "max_seq_len": 64},
+                             training={"objective": "distill", "max_steps": 6, "micro_batch_size": 4,
+                                       "grad_accum": 4 // processes, "lr": 1e-2},
+                             distill={"teacher": str(tiny_moe_dir), "lmbda": 0.5, "seq_kd": True, "beta": 0.5,
+                                      "max_completion_length": 8})
+        proc = launch(config, write_recipe(tmp_path / f"{config}.yaml", recipe), nproc=processes)
+        assert_ok(proc)
+        return tmp_path / config
+
+    single, out = run("single_gpu"), run("zero3")
+    assert set(metric(out, "distill/on_policy").values()) == {0.0, 1.0}  # both sources drawn
+    for key in ("loss", "distill/teacher_logps", "distill/student_logps"):
+        ours, theirs = metric(out, key), metric(single, key)
+        assert sorted(ours) == list(range(1, 7))
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6), key
