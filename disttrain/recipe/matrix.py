@@ -503,7 +503,8 @@ CELLS: dict[str, dict[str, Cell]] = {
         "single_gpu": Proven((f"{FP8}::test_fp8_trains_like_bf16_and_exports_the_plain_model",), SINGLE_REFERENCE),
         "ddp": Proven((f"{FP8}::test_fp8_under_ddp_resumes_equal_to_one_process",), "stopped after step 3, resumed"),
         "fsdp": Proven((f"{FP8}::test_fp8_under_fsdp2_trains_like_one_process",),
-                       "within the noise tolerance: FSDP2 gathers the weights in bf16 before their float8 cast"),
+                       "within the noise tolerance (FSDP2 gathers the weights in bf16 before their float8 cast); "
+                       "through the real accelerate launch"),
     },
     "eval_sets": _each(CONFIGS, lambda c: _run("adapters")),
     "adamw_8bit": {
