@@ -57,6 +57,33 @@ def test_the_rule_keeps_the_head_routers_and_unaligned_layers():
     assert not fp8.converts(torch.nn.Embedding(512, 64), "model.embed_tokens")
 
 
+def test_what_fp8_cannot_take_is_refused_in_one_line(monkeypatch):
+    """Beside the configs (the matrix's row): other objectives, adapters, a GPU without FP8 matmuls (accelerate
+    would train in fp16 there), torchao missing."""
+    from disttrain.errors import DisttrainError
+    from disttrain.recipe.schema import load_recipe
+
+    def refused(overrides, label="ddp", gpu=False) -> str:
+        recipe = load_recipe(REPO / "recipes/tiny/sft.yaml", ["training.mixed_precision=fp8", *overrides])
+        with pytest.raises(DisttrainError) as caught:
+            fp8.check(recipe, label, gpu)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    fp8.check(load_recipe(REPO / "recipes/tiny/sft.yaml", ["training.mixed_precision=fp8"]), "fsdp", False)
+    assert "under zero3 (proven: one process" in refused([], label="zero3")
+    assert "with a lora section" in refused(["lora.r=8"])
+    grpo = ["training.objective=grpo", "data.path=data/tiny_prompts.jsonl", "data.format=prompt",
+            "data.eval_path=null", "training.eval_every=null",
+            "rl.rewards=[{function: recipes/tiny/rewards.py:letters}]"]
+    assert "with training.objective=grpo" in refused(grpo)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert "A100-SXM4-80GB has (8, 0), where accelerate would silently train in fp16" in refused([], gpu=True)
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)  # not installed: its import fails
+    assert "needs torchao (the fp8 extra" in refused([])
+
+
 @pytest.mark.launch
 def test_fp8_trains_like_bf16_and_exports_the_plain_model(runs, tiny_model_dir):
     from transformers import AutoModelForCausalLM

@@ -76,8 +76,8 @@ def check(recipe, label: str, gpu: bool) -> None:
     try:
         _float8()
     except ImportError:
-        raise DisttrainError("training.mixed_precision=fp8 needs torchao: `make setup EXTRAS=test` (or pip install "
-                             "'disttrain[fp8]'), or set training.mixed_precision=bf16") from None
+        raise DisttrainError("training.mixed_precision=fp8 needs torchao (the fp8 extra: `make setup EXTRAS=fp8` or "
+                             "`pip install 'disttrain[fp8]'`), or set training.mixed_precision=bf16") from None
     if gpu and torch.cuda.get_device_capability() < (8, 9):
         name = torch.cuda.get_device_name()
         raise DisttrainError(f"training.mixed_precision=fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: "
