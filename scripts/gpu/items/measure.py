@@ -119,7 +119,6 @@ def loss_memory(ctx: Ctx) -> tuple[str, str]:
     return (PASS if worst >= 8 else FAIL), summary
 
 
-
 FP8_TOLERANCE = 0.03  # docs/strategies.md, "FP8": the mean loss of the last steps, fp8 against bf16
 
 
