@@ -108,6 +108,19 @@ def test_fp8_trains_like_bf16_and_exports_the_plain_model(runs, tiny_model_dir):
 
 
 @pytest.mark.launch
+def test_a_bf16_model_trained_in_fp8_exports_in_bf16(tiny_model_dir, tmp_path):
+    """Weights stored in bf16 (as published models are): the float8 layers train them, final/ holds them in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    out, stdout = _run(tmp_path, tiny_model_dir, "fp8", overrides=["model.dtype=bfloat16", "training.max_steps=3"])
+    assert "run: fp8: 14 of 15 linear layers compute in float8" in stdout
+    assert len(_losses(out)) == 3
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto")
+    assert model.dtype == torch.bfloat16
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+
+
+@pytest.mark.launch
 def test_fp8_under_ddp_resumes_equal_to_one_process(runs, tiny_model_dir, tmp_path):
     """Stopped after step 3 and launched again to step 6: every step equal to one process's (the same
     micro-batches: the same float8 scales), the checkpoint holding the float8 layers' weights."""
