@@ -32,6 +32,9 @@ TP          ?= 2
 # train-fsdp-ep: processes each MoE block's experts are split over (default: the GPUs of a node); it divides
 # GPUS x NODES / HSDP_REPLICAS, and the processes holding the same experts shard them
 EP          ?= $(GPUS)
+# train-fsdp-pp: pipeline stages (the model's decoder layers cut into PP runs); it divides GPUS x NODES, and FSDP2
+# shards each stage over GPUS x NODES / PP processes (stages dp apart: PP=NODES puts one stage on each node)
+PP          ?= 2
 NODE_RANK   ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
@@ -103,13 +106,15 @@ MESH_FLAGS = $(if $(filter hsdp,$(1)),--parallelism_config_dp_replicate_size $(H
 	$(if $(filter fsdp_ep,$(1)),--parallelism_config_dp_replicate_size $(HSDP_REPLICAS) \
 	--parallelism_config_dp_shard_size $$(( $(GPUS) * $(NODES) / $(HSDP_REPLICAS) )))
 # ... and the one a config takes from the environment (accelerate has no expert-parallel dimension)
-MESH_ENV = $(if $(filter fsdp_ep,$(1)),PARALLELISM_CONFIG_EP_SIZE=$(EP))
+MESH_ENV = $(if $(filter fsdp_ep,$(1)),PARALLELISM_CONFIG_EP_SIZE=$(EP)) \
+	$(if $(filter fsdp_pp,$(1)),PARALLELISM_CONFIG_PP_SIZE=$(PP))
 # the mesh variables of STRATEGY, handed to every node's `make train-*` by the cluster entry (k8s, sky, ray)
 CLUSTER_VARS = SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) $(if $(filter hsdp fsdp_tp fsdp_ep,$(STRATEGY)),HSDP_REPLICAS=$(HSDP_REPLICAS)) \
 	$(if $(filter fsdp_tp,$(STRATEGY)),TP=$(TP)) $(if $(filter zero3_ulysses,$(STRATEGY)),SP=$(SP)) \
-	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP))
+	$(if $(filter fsdp_cp,$(STRATEGY)),CP=$(CP)) $(if $(filter fsdp_ep,$(STRATEGY)),EP=$(EP)) \
+	$(if $(filter fsdp_pp,$(STRATEGY)),PP=$(PP))
 
-.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
+.PHONY: help setup tiny train train-ddp train-fsdp train-fsdp-offload train-hsdp train-fsdp-cp train-tp train-fsdp-tp train-fsdp-ep train-fsdp-pp train-zero1 train-zero2 train-zero3 train-zero3-offload train-zero3-ulysses \
 	test test-fast lint matrix docs mesh-flags preflight resume doctor diagnose cost bench bench-overhead bench-memory bench-rollouts bench-pairs bench-long bench-experts bench-data eval export report gpu-kit gpu-acceptance k8s sky ray clean
 
 help: ## list targets and variables
@@ -126,6 +131,7 @@ help: ## list targets and variables
 	@echo "           CP=$(CP) (train-fsdp-cp: processes per sequence around the attention ring; GPUS x NODES / CP groups)"
 	@echo "           TP=$(TP) (train-fsdp-tp: processes per tensor-parallel group, within a node; FSDP2 over the GPUS x NODES / TP groups, replicated across HSDP_REPLICAS)"
 	@echo "           EP=$(EP) (train-fsdp-ep: processes each MoE block's experts are split over, dividing GPUS x NODES / HSDP_REPLICAS; tokens travel to their experts)"
+	@echo "           PP=$(PP) (train-fsdp-pp: pipeline stages, dividing GPUS x NODES and the model's layers; FSDP2 shards each stage over the rest)"
 	@echo "           POD_CPUS= POD_MEMORY= QUEUE= POD_ENV='NAME=value ...' NODE_SELECTOR='k=v ...' TOLERATIONS='k[=v]:Effect ...' (make k8s)  RAY_TIMEOUT= (make ray: s)"
 	@echo "           IMAGE= PVC= K8S_KIND=$(K8S_KIND) (make k8s)  BUCKET= ACCELERATOR=$(ACCELERATOR) SPOT=$(SPOT) (make sky)  OUT=file (k8s, sky: default stdout)"
 	@echo "           SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT)s (after SIGTERM, how long the workers may checkpoint before they are killed)"
@@ -197,6 +203,9 @@ train-fsdp-tp: tiny ## FSDP2 + tensor parallelism: weights split over TP process
 
 train-fsdp-ep: tiny ## FSDP2 + expert parallelism (MoE): experts split over EP processes, tokens sent to them (HSDP across nodes)
 	$(call LAUNCH,fsdp_ep) train.py --recipe $(RECIPE) $(ARGS)
+
+train-fsdp-pp: tiny ## FSDP2 + pipeline parallelism: the layers cut into PP stages (1F1B / GPipe), FSDP2 over each stage's processes
+	$(call LAUNCH,fsdp_pp) train.py --recipe $(RECIPE) $(ARGS)
 
 k8s: setup ## Kubernetes manifests for RECIPE on NODES pods of GPUS GPUs (IMAGE=, PVC=, K8S_KIND=job|pytorchjob, OUT=file)
 	$(PY) -m disttrain.tools.k8s --recipe $(RECIPE) --strategy $(STRATEGY) --nodes $(NODES) --gpus $(GPUS) \

@@ -95,7 +95,7 @@ def main(argv=None):
                     for name, rows in eval_sets.items()}
     guards.check_initial_replicas(accelerator, model)  # same seed -> same initial weights on every rank
     guards.at("accelerator.prepare (wrapping, sharding, broadcasting the weights)")
-    model, optimizer, scheduler = feed.prepare(accelerator, collator, plan.prepare_model(accelerator, model),
+    model, optimizer, scheduler = feed.prepare(accelerator, collator, plan.prepare_model(accelerator, model, optimizer),
                                                optimizer, scheduler)
     guards.hold_until_exit(accelerator, model, optimizer)  # freed at os._exit, not before: guards says why
     eval_loaders = {name: plan.eval_loader(accelerator, loader) for name, loader in eval_loaders.items()}

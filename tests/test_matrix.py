@@ -76,7 +76,7 @@ def plan_of(config: str):
 
     c = COLUMN[config]
     label = {"single_gpu": "single"}.get(config, config)
-    return ParallelPlan(c.strategy, label, None, 2, None, c.sp, c.cp, c.tp, c.ep, c.fsdp_data)
+    return ParallelPlan(c.strategy, label, None, 2, None, c.sp, c.cp, c.tp, c.ep, c.fsdp_data, c.pp)
 
 
 def checked(feature, config: str, gpu: bool, model_dir: Path, tmp_path: Path, monkeypatch) -> str | None:

@@ -12,6 +12,7 @@ import torch
 
 from disttrain.data.vision import saved_with
 from disttrain.model.loading import DTYPES, is_peft_model
+from disttrain.model.stages import stage_of, write_stage_weights
 from disttrain.recipe.schema import ModelSection
 from disttrain.runtime.backends import bare_model
 
@@ -28,6 +29,8 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     """
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
+    if stage_of(bare_model(accelerator, model)) is not None:
+        return _export_stages(accelerator, bare_model(accelerator, model), tokenizer, out, tmp)
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
     unwrapped = bare_model(accelerator, model)
     state_dict, masters = _zero_fp32_masters(accelerator, unwrapped, state_dict, spec)  # collective too
@@ -50,6 +53,32 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
                 _save_merged(tmp, unwrapped, spec)
             saved_with(tokenizer).save_pretrained(tmp / "merged")  # a model dir of its own: loads alone
         saved_with(tokenizer).save_pretrained(tmp)  # a vision-language model's processor: AutoProcessor loads it
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def _export_stages(accelerator, model, tokenizer, out: Path, tmp: Path) -> Path:
+    """A pipeline's stages (parallel/pipeline.py) as one sharded HF checkpoint: each stage's file written by the
+    first of its processes, the index, config and tokenizer by the main process; renamed into place as above."""
+    import json
+
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    weight_map = write_stage_weights(model, tmp)  # collective
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        sizes = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+        index = {"metadata": {"total_size": sizes}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        model.config.save_pretrained(tmp)  # the whole model's (each stage's inner model holds a cut copy)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        saved_with(tokenizer).save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

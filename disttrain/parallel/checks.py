@@ -182,6 +182,51 @@ def check_expert_parallel(recipe: Recipe, ep: int) -> None:
                                  f"ep {ep}) yet; train it under fsdp.yaml or a ZeRO config")
 
 
+def check_pipeline(recipe: Recipe, pp: int) -> None:
+    """Pipeline parallelism is verified here for full fine-tuning with the SFT objective on map-style, unpacked
+    data, the chunked loss, in fp32 or bf16; the rest is refused, not guessed (each needs the stage cut to carry
+    it: adapters, a second model, generation, evaluation through the schedule)."""
+    from disttrain.parallel.pipeline import PIPELINE_CONFIG
+
+    d, t, m = recipe.data, recipe.training, recipe.model
+    evaluates = t.eval_every is not None or any(s.eval_path or s.eval_split or s.eval_fraction
+                                                for s in d.all_sources())
+    refused = [(t.objective != "sft", f"training.objective={t.objective}"),
+               (recipe.lora is not None, "LoRA (lora:)"),
+               (m.quantization is not None, "model.quantization"),
+               (d.streaming, "data.streaming=true"),
+               (d.packing or d.chunk_isolate_documents, "data.packing / data.chunk_isolate_documents (position ids "
+                "per packed example)"),
+               (evaluates, "evaluation (set data.eval_path=null and training.eval_every=null)"),
+               (bool(recipe.evaluation.tasks), "evaluation.tasks (lm-eval on checkpoints)"),
+               (recipe.logging.samples > 0, "logging.samples > 0 (generation: set logging.samples=0)"),
+               (t.loss_impl != "chunked", f"training.loss_impl={t.loss_impl}"),
+               (t.mixed_precision not in ("no", "bf16"), f"training.mixed_precision={t.mixed_precision}"),
+               (t.optimizer != "adamw", f"training.optimizer={t.optimizer}"),
+               (t.compile, "training.compile=true"),
+               (m.gradient_checkpointing, "model.gradient_checkpointing=true"),
+               (t.offload_activations, "training.offload_activations=true"),
+               (t.neftune_alpha is not None, "training.neftune_alpha (NEFTune)"),
+               (m.router_aux_loss_coef is not None, "model.router_aux_loss_coef (a mixture of experts' router loss)")]
+    for found, what in refused:
+        if found:
+            raise DisttrainError(f"{what} is not supported under pipeline parallelism ({PIPELINE_CONFIG}, pp {pp}) "
+                                 "yet; train it under fsdp.yaml, hsdp.yaml or a ZeRO config")
+
+
+def check_pipeline_model(recipe: Recipe, pp: int) -> None:
+    """What only the model's config says about cutting it into pp stages (pipeline.check_model)."""
+    from transformers import AutoConfig
+
+    from disttrain.parallel.pipeline import check_model
+
+    Family.of_recipe(recipe.model)  # an unreadable config: its one line
+    spec = recipe.model
+    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                        trust_remote_code=spec.trust_remote_code)
+    check_model(config, spec.name_or_path, pp)
+
+
 def check_expert_parallel_model(recipe: Recipe, ep: int, data: tuple[int, int]) -> None:
     """What only the model's config says about expert parallelism, before any weight: a mixture of experts with
     transformers' expert-parallel plan, experts that divide over the ep processes, separate input and output

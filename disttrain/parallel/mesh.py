@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from disttrain.errors import DisttrainError
-from disttrain.runtime.backends import EXPERT_PARALLEL_ENV, mesh_sizes
+from disttrain.runtime.backends import EXPERT_PARALLEL_ENV, mesh_sizes, pipeline_size
 
 
 class Mesh(NamedTuple):
@@ -17,7 +17,8 @@ class Mesh(NamedTuple):
     cp: int = 1
     tp: int = 1
     ep: int = 1
-    fsdp_data: tuple[int, int] = (1, 1)  # (replicas, shards) of the FSDP2 transformers lays over TP or EP
+    fsdp_data: tuple[int, int] = (1, 1)  # (replicas, shards) of the FSDP2 laid over TP, EP or a pipeline's stages
+    pp: int = 1
 
 
 def read_mesh(strategy: str, processes: int) -> Mesh:
@@ -27,6 +28,9 @@ def read_mesh(strategy: str, processes: int) -> Mesh:
     alone (tp = every process) or under FSDP2 laid by transformers (replicas x shards x tp); expert parallelism
     under FSDP2 laid by transformers (replicas x shards, the experts over ep of each replica's shards); it must
     cover every process."""
+    pp = pipeline_size()
+    if pp > 1:
+        return _pipeline_mesh(strategy, processes, pp)
     sizes = mesh_sizes()
     if sizes is None:
         return Mesh(None)
@@ -101,3 +105,21 @@ def _expert_parallel_mesh(strategy: str, processes: int, sizes: dict[str, int]) 
                              "with N dividing GPUS x NODES / HSDP_REPLICAS")
     dims = [f"dp_replicate={replicas}"] * (replicas > 1) + [f"dp_shard={shards}", f"ep={ep}"]
     return Mesh(",".join(dims), ep=ep, fsdp_data=(replicas, shards))
+
+
+def _pipeline_mesh(strategy: str, processes: int, pp: int) -> Mesh:
+    """Pipeline parallelism (fsdp_pp.yaml): a MULTI_GPU launch without accelerate's ParallelismConfig (which has
+    no pipeline dimension); pp stages, each over processes / pp data-parallel processes sharded by FSDP2."""
+    from disttrain.parallel.pipeline import PIPELINE_CONFIG
+    from disttrain.runtime.backends import PIPELINE_ENV
+
+    if strategy != "ddp" or mesh_sizes() is not None:
+        raise DisttrainError(f"{PIPELINE_ENV}={pp}: pipeline parallelism runs from {PIPELINE_CONFIG} (distributed_type "
+                             "MULTI_GPU, no parallelism_config: disttrain lays out the stages and FSDP2 over them), "
+                             f"not from {'this FSDP or DeepSpeed config' if strategy != 'ddp' else 'a mesh config'}")
+    if processes % pp:
+        raise DisttrainError(f"{PIPELINE_ENV}={pp} must divide the {processes} processes launched (pp stages, each "
+                             "over processes / pp data-parallel ones); make train-fsdp-pp PP=N with N dividing "
+                             "GPUS x NODES")
+    dp = processes // pp
+    return Mesh(f"pp={pp}" + (f",dp_shard={dp}" if dp > 1 else ""), fsdp_data=(1, dp), pp=pp)

@@ -12,6 +12,8 @@ mesh. A new mesh is a class here (with its config file and make target) and a li
                    holding 1/tp of the split weights
     Expert         expert parallelism under FSDP2 (transformers' plans): every process reads its own rows, each
                    holds 1/ep of every MoE block's experts and the tokens travel to them
+    Pipeline       pipeline parallelism (pipeline.py): pp stages of dp processes, the processes of a pipeline
+                   (dp apart) read the same rows, each holds one stage's layers, FSDP2 over each stage's dp
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class DataParallel:
         """Which random stream a process draws while training (dropout, LoRA dropout, NEFTune's noise): every
         process holds other tokens and draws its own, as one process draws independently for every position."""
         return process
+
+    def data_rank(self, process: int) -> int:
+        """Which share of the data a process reads: the group's consecutive processes read the same."""
+        return process // self.group
+
+    def data_ranks(self, processes: int) -> int:
+        return processes // self.group
 
     def sequence_slice(self, process: int) -> tuple[int, int] | None:
         """(which slice, of how many) of every training sequence the loader gives the process; None: all."""
@@ -60,9 +69,14 @@ class DataParallel:
         """What model loading needs of the mode: nothing (accelerate wraps or shards after loading)."""
         return {}
 
-    def prepare_model(self, accelerator, model):
+    def prepare_model(self, accelerator, model, optimizer):
         """The model before accelerate prepares it with the rest: as loaded (accelerate wraps or shards it)."""
         return model
+
+    def window_runner(self, run):
+        """What runs a window's micro-batches forward and backward instead of the loop's one-at-a-time path
+        (loop.py), or None: the loop's own."""
+        return None
 
 
 class Ulysses(DataParallel):
@@ -190,12 +204,89 @@ class Expert(DataParallel):
         """transformers splits the experts and shards the model as it loads it (model/loading.py)."""
         return {"ep": self.ep, "fsdp_data": self.data}
 
-    def prepare_model(self, accelerator, model):
-        """accelerate's own preparation (mixed precision's autocast) without its wrapping: on a MULTI_GPU launch
-        it would wrap the FSDP2 model in DDP, which refuses DTensor parameters."""
-        model = accelerator.prepare_model(model, evaluation_mode=True)
-        model._is_accelerate_prepared = True  # accelerator.prepare(model, ...) then keeps it as it is
-        return model
+    def prepare_model(self, accelerator, model, optimizer):
+        return _prepared_as_it_is(accelerator, model)
+
+
+def _prepared_as_it_is(accelerator, model):
+    """accelerate's own preparation (mixed precision's autocast) without its wrapping: on a MULTI_GPU launch it
+    would wrap an FSDP2 model in DDP, which refuses DTensor parameters."""
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    model._is_accelerate_prepared = True  # accelerator.prepare(model, ...) then keeps it as it is
+    return model
+
+
+class Pipeline(DataParallel):
+    """Pipeline parallelism (pipeline.py): the processes of a pipeline read the same rows and hold its stages, so
+    each counts 1/pp of a batch (its loss, known on the last stage, all-reduced over the pipeline each step); the
+    model is cut to this process's stage, FSDP2-sharded over the stage's dp processes, and the optimizer made
+    before the cut keeps only the stage's parameters (as accelerate re-points an optimizer at FSDP2's). The
+    loop hands each window whole to the stage's schedule."""
+
+    def __init__(self, pp: int, dp: int):
+        self.pp, self.dp = pp, dp
+        self.share = 1.0 / pp
+        self.runner = None
+
+    def data_rank(self, process: int) -> int:
+        return process % self.dp  # pp outermost: a pipeline's processes are dp apart
+
+    def data_ranks(self, processes: int) -> int:
+        return self.dp
+
+    def place(self, process: int, num_layers: int):
+        from disttrain.model.stages import StagePlace, stage_layers
+
+        stage = process // self.dp
+        return StagePlace(stage, self.pp, process % self.dp, self.dp, stage_layers(num_layers, stage, self.pp))
+
+    def check_recipe(self, recipe, gpu: bool) -> None:
+        checks.check_pipeline(recipe, self.pp)
+
+    def check_model(self, recipe) -> None:
+        checks.check_model_config(recipe, 1, 1, 1, 1)
+        checks.check_pipeline_model(recipe, self.pp)
+
+    def prepare_model(self, accelerator, model, optimizer):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from disttrain.parallel.pipeline import cut
+
+        names = {id(param): name for name, param in model.named_parameters()}
+        self.mesh = init_device_mesh(accelerator.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        model = cut(model, self.place(accelerator.process_index, model.config.num_hidden_layers))
+        model.to(accelerator.device)
+        if self.dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=self.mesh["dp"])
+            fully_shard(model, mesh=self.mesh["dp"])
+        kept = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [kept[names[id(p)]] for p in group["params"] if names[id(p)] in kept]
+        return _prepared_as_it_is(accelerator, model)
+
+    def window_runner(self, run):
+        from disttrain.model.stages import stage_of
+        from disttrain.parallel.pipeline import PipelineRunner
+
+        cfg, model = run.recipe.training, run.model
+        self.runner = PipelineRunner(model, stage_of(model), self.mesh, cfg.pp_schedule, cfg.grad_accum,
+                                     cfg.micro_batch_size, run.recipe.data.max_seq_len, run.accelerator.device)
+        runner, optimizer, accumulation = self.runner, run.trainable.optimizer, cfg.grad_accum
+        # the start-up self-check runs the whole model's forward, which no stage holds; a stage's loss is the
+        # chunked head's own function (tests/test_loss_impl.py), on the families check_model lets through
+        run.loss.engine.checked = True
+
+        def run_window(micro_batches: list, denominator, window):
+            # each micro-batch's summed loss / (the window's targets / dp): accelerate's /grad_accum undone
+            sums = runner.run(micro_batches, denominator * accumulation)
+            window.last_grad_norm = runner.clip(cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return sums
+        return run_window
 
 
 @contextmanager
@@ -254,8 +345,11 @@ class _ReplicatedGradients:
             offset += grad.numel()
 
 
-def mode_for(sp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, fsdp_data: tuple[int, int] = (1, 1)) -> DataParallel:
+def mode_for(sp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, fsdp_data: tuple[int, int] = (1, 1),
+             pp: int = 1) -> DataParallel:
     """The mode of a mesh read from the launch (mesh.read_mesh has refused the combinations it does not run)."""
+    if pp > 1:
+        return Pipeline(pp, fsdp_data[1])
     if ep > 1:
         return Expert(ep, fsdp_data)
     if sp > 1:

@@ -48,17 +48,18 @@ class ParallelPlan:
     ep: int = 1  # processes that split each MoE block's experts between them (expert parallelism)
     # around tensor or expert parallelism: (replicas, shards) of the FSDP2 transformers lays over the processes
     fsdp_data: tuple[int, int] = (1, 1)
+    pp: int = 1  # pipeline stages, each over processes / pp data-parallel processes (pipeline parallelism)
 
     @classmethod
     def from_launch(cls) -> ParallelPlan:
         mesh = read_mesh(launcher_strategy(), world_size())
         return cls(launcher_strategy(), run_label(), zero_stage(), world_size(), mesh.label, mesh.sp, mesh.cp,
-                   mesh.tp, mesh.ep, mesh.fsdp_data)
+                   mesh.tp, mesh.ep, mesh.fsdp_data, mesh.pp)
 
     @cached_property
     def mode(self) -> DataParallel:
         """The mode object that answers every question the mesh decides (modes.py)."""
-        return mode_for(self.sp, self.cp, self.tp, self.ep, self.fsdp_data)
+        return mode_for(self.sp, self.cp, self.tp, self.ep, self.fsdp_data, self.pp)
 
     @property
     def group(self) -> int:
@@ -98,17 +99,26 @@ class ParallelPlan:
         loads)."""
         return self.mode.load_kwargs()
 
-    def prepare_model(self, accelerator, model):
+    def prepare_model(self, accelerator, model, optimizer):
         """The model through accelerate before the rest is prepared with it (modes.py: what accelerate must leave
-        as it is)."""
-        return self.mode.prepare_model(accelerator, model)
+        as it is; a pipeline's stage, and the optimizer pointed at its parameters)."""
+        return self.mode.prepare_model(accelerator, model, optimizer)
+
+    def window_runner(self, run):
+        """What runs each window's micro-batches instead of the loop's one-at-a-time path (a pipeline's schedule),
+        or None."""
+        return self.mode.window_runner(run)
 
     def data_rank(self, accelerator) -> int:
         """Which share of the data this process reads: the processes of a group read the same."""
-        return accelerator.process_index // self.group
+        return self.mode.data_rank(accelerator.process_index)
 
     def data_ranks(self, accelerator) -> int:
-        return accelerator.num_processes // self.group
+        return self.mode.data_ranks(accelerator.num_processes)
+
+    def data_rank_of(self, processes: int) -> list[int]:
+        """The data rank of every process (the metrics compare data ranks)."""
+        return [self.mode.data_rank(process) for process in range(processes)]
 
     def random_stream(self, accelerator) -> int:
         """Which random stream this process draws from while training (modes.py says why per mode)."""

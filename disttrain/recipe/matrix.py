@@ -31,6 +31,7 @@ class Column:
     tp: int = 1
     ep: int = 1  # expert parallelism: its runs use the tiny mixture of experts (a dense model is refused)
     fsdp_data: tuple[int, int] = (1, 1)
+    pp: int = 1  # pipeline stages (each over fsdp_data's shards)
 
 
 COLUMNS = (
@@ -48,6 +49,7 @@ COLUMNS = (
     Column("tp", "TP (tp 2)", 2, 1, "ddp", tp=2),
     Column("fsdp_tp", "FSDP2 + TP (2 x tp 2)", 4, 2, "ddp", tp=2, fsdp_data=(1, 2)),
     Column("fsdp_ep", "FSDP2 + EP (ep 2)", 2, 2, "ddp", ep=2, fsdp_data=(1, 2)),
+    Column("fsdp_pp", "FSDP2 + PP (pp 2 x 2)", 4, 2, "ddp", fsdp_data=(1, 2), pp=2),
 )
 CONFIGS = tuple(c.config for c in COLUMNS)
 
@@ -520,6 +522,25 @@ CELLS: dict[str, dict[str, Cell]] = {
     "offload_activations": _each(CONFIGS, lambda c: _run("full")),
     "time_checkpoints": _each(CONFIGS, lambda c: _run("full", "a checkpoint at every step, each complete")),
 }
+
+
+# Pipeline parallelism: full fine-tuning proven (stages alone, across a resume; FSDP2 over the stages through make),
+# bf16 and text chunks, the checkpoints' clock; everything else refused by parallel/checks.check_pipeline (or the
+# model check) until a stage carries it
+PPT = "tests/test_pipeline.py"
+PIPELINE_REFUSAL = "pipeline parallelism (accelerate_configs/fsdp_pp.yaml"
+PIPELINE_CELLS: dict[str, Cell] = {
+    "full": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",
+                    f"{PPT}::test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make")),
+    **_each(("bf16", "concat_chunk"), lambda c: Proven(
+        (f"{PPT}::test_bf16_stages_on_text_chunks_train_like_one_process",), "pp 2 alone, bf16 on text chunks")),
+    "time_checkpoints": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",),
+                               "a checkpoint at every step, each complete; resumed from step 5"),
+    "fp8": Refused("training.mixed_precision=fp8 is not supported under fsdp_pp"),
+    **_each(("qlora", "fp16", "adamw_8bit"), lambda c: Refused(PIPELINE_REFUSAL, on_gpu=True)),
+}
+for _key, _cells in CELLS.items():
+    _cells["fsdp_pp"] = PIPELINE_CELLS.get(_key, Refused(PIPELINE_REFUSAL))
 
 
 def cell(feature: str, config: str) -> Cell:

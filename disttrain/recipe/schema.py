@@ -214,6 +214,10 @@ class TrainingSection(_Section):
     compile: bool = Field(False, description="torch.compile each repeated transformer block (regional "
                           "compilation through accelerate's TorchDynamoPlugin, inductor backend); proven under "
                           "one process, DDP and FSDP2, refused under the others unless DISTTRAIN_ALLOW_UNVERIFIED=1")
+    pp_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline parallelism (fsdp_pp.yaml): the "
+                                                  "schedule of each step's grad_accum micro-batches (torch.distributed."
+                                                  "pipelining): 1f1b keeps at most PP micro-batches' activations per "
+                                                  "stage, gpipe all of them; grad_accum >= PP keeps the bubble small")
     neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of scale alpha / "
                                         "sqrt(seq x hidden) on the input embeddings while training (5 is usual)")
     objective: Literal["sft", "dpo", "grpo", "reward", "distill"] = Field(

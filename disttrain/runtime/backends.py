@@ -55,6 +55,12 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # accelerate's Paral
 # Expert parallelism: accelerate's ParallelismConfig has no such dimension, so its size travels in a variable
 # named like accelerate's own (make train-fsdp-ep EP=N sets it); unset, every process of a replica holds a slice
 EXPERT_PARALLEL_ENV = "PARALLELISM_CONFIG_EP_SIZE"
+PIPELINE_ENV = "PARALLELISM_CONFIG_PP_SIZE"  # likewise for pipeline parallelism (make train-fsdp-pp PP=N)
+
+
+def pipeline_size() -> int:
+    """The pipeline's stages (1: no pipeline parallelism)."""
+    return int(os.environ.get(PIPELINE_ENV) or 1)
 
 
 def mesh_sizes() -> dict[str, int] | None:
@@ -79,10 +85,12 @@ def laid_out_by_transformers() -> bool:
 
 def run_label() -> str:
     """The strategy as output.dir's {strategy} names it, as the accelerate config files are named: single,
-    ddp, tp, fsdp_tp, hsdp_tp, fsdp_ep, hsdp_ep, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3, zero3_offload,
-    zero3_ulysses."""
+    ddp, tp, fsdp_tp, hsdp_tp, fsdp_ep, hsdp_ep, fsdp_pp, fsdp, fsdp_offload, hsdp, fsdp_cp, zero1, zero2, zero3,
+    zero3_offload, zero3_ulysses."""
     strategy = launcher_strategy()
     mesh = mesh_sizes()
+    if strategy == "ddp" and pipeline_size() > 1:
+        return "fsdp_pp"
     if strategy == "fsdp" and mesh and mesh["dp_replicate"] > 1:
         return "hsdp"
     if strategy == "fsdp" and mesh and mesh["cp"] > 1:

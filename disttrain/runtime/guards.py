@@ -192,13 +192,15 @@ def replicated_parameters(model) -> list[torch.Tensor]:
     """The parameters every rank holds whole, which must stay bit-identical across ranks: all of them under DDP
     and ZeRO-1/2; under tensor parallelism the ones transformers leaves unsplit (plain tensors: peft's lora_A on
     column-split layers, which nothing all-reduces, so one rank's own dropout mask would make them drift); none
-    under FSDP and ZeRO-3 (shards, meta tensors)."""
+    under FSDP and ZeRO-3 (shards, meta tensors), nor on a pipeline's stage (each process its own layers)."""
     return [p for _, p in _named_replicated(model)]
 
 
 def _named_replicated(model) -> list[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
+    if getattr(getattr(model, "module", model), "_disttrain_stage", None) is not None:
+        return []  # parallel/pipeline.py: a stage's weights live on its processes only (FSDP2-sharded over them)
     return [(name, p) for name, p in model.named_parameters()
             if not (p.is_meta or hasattr(p, "ds_id") or isinstance(p, DTensor) or isinstance(p.data, DTensor))]
 

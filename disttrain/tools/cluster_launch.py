@@ -87,11 +87,12 @@ def mesh_problem(strategy: str, nodes: int, gpus: int, make_vars: dict[str, str]
     total = nodes * gpus
     replicas = int(make_vars.get("HSDP_REPLICAS", nodes))
     sizes = {"TP": int(make_vars.get("TP", 2)), "SP": int(make_vars.get("SP", 2)), "CP": int(make_vars.get("CP", 2)),
-             "EP": int(make_vars.get("EP", gpus))}
+             "EP": int(make_vars.get("EP", gpus)), "PP": int(make_vars.get("PP", 2))}
     needs = {"hsdp": [("HSDP_REPLICAS", replicas, total)], "zero3_ulysses": [("SP", sizes["SP"], total)],
              "fsdp_cp": [("CP", sizes["CP"], total)],
              "fsdp_tp": [("HSDP_REPLICAS", replicas, total), ("TP", sizes["TP"], gpus)],
-             "fsdp_ep": [("HSDP_REPLICAS", replicas, total), ("EP", sizes["EP"], total // max(replicas, 1))]}
+             "fsdp_ep": [("HSDP_REPLICAS", replicas, total), ("EP", sizes["EP"], total // max(replicas, 1))],
+             "fsdp_pp": [("PP", sizes["PP"], total)]}
     what = {"TP": f"GPUS={gpus} (a tensor-parallel group stays in one node)",
             "EP": f"the GPUs of a replica, GPUS x NODES / HSDP_REPLICAS = {total // max(replicas, 1)}"}
     for name, size, of in needs.get(strategy, []):

@@ -6,7 +6,10 @@ safetensors file from the main process, which cannot hold DTensors ("Attempted t
 invalid python storage"), and one optimizer file, also from the main process only, while every rank holds other
 shards. So every rank writes its shards of both with torch.distributed.checkpoint (`tp_state/` in the
 checkpoint), and accelerate saves the rest (schedule, RNG, data position) with the model and optimizer out of its
-lists for that call. Other strategies: accelerate's own save_state and load_state, unchanged.
+lists for that call. A pipeline's stages (parallel/pipeline.py) are saved the same way: each stage keeps the
+whole model's names, so the stages' DCP shards together are the whole model; its optimizer state is flattened to
+one entry per parameter name (each stage's param_groups list other names, which DCP would otherwise merge as one
+value). Other strategies: accelerate's own save_state and load_state, unchanged.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ TP_STATE = "tp_state"
 
 
 def _laid_out(accelerator):
-    """(model, torch optimizer) when transformers laid the model out (tensor or expert parallelism: accelerate
-    left it as it is), else None."""
-    from disttrain.runtime.backends import laid_out_by_transformers
+    """(model, torch optimizer, state dict options) when transformers laid the model out (tensor or expert
+    parallelism) or it is a pipeline's stage (accelerate left both as they are), else None."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if not laid_out_by_transformers():
+    from disttrain.runtime.backends import laid_out_by_transformers, pipeline_size
+
+    if not laid_out_by_transformers() and pipeline_size() == 1:
         return None
     (model,), (optimizer,) = accelerator._models, accelerator._optimizers
-    return model, getattr(optimizer, "optimizer", optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=pipeline_size() > 1)
+    return model, getattr(optimizer, "optimizer", optimizer), options
 
 
 @contextmanager
@@ -49,7 +55,8 @@ def save_state(accelerator, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(*parts)
+    model, optimizer, options = parts
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / TP_STATE))
     with _without_model_and_optimizer(accelerator):
         accelerator.save_state(str(directory))
@@ -64,9 +71,11 @@ def load_state(accelerator, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(*parts)
+    model, optimizer, options = parts
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(directory / TP_STATE))
-    set_state_dict(*parts, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
     with _without_model_and_optimizer(accelerator):
         accelerator.load_state(str(directory))

@@ -111,10 +111,10 @@ class _Window:
     HOST_FIELDS = ("padded_tokens", "data_wait_s", "peak_mem_gb")
     FIELDS = DEVICE_FIELDS + HOST_FIELDS
 
-    def __init__(self, device, meter=None, peak_flops: float | None = None, group: int = 1,
+    def __init__(self, device, meter=None, peak_flops: float | None = None, data_of: list[int] | None = None,
                  share: float = 1.0):
         self.device, self.meter, self.peak_flops = device, meter, peak_flops
-        self.group = group  # consecutive processes that read the same rows (ParallelPlan.group)
+        self.data_of = data_of  # each process's data rank (ParallelPlan.data_rank_of); None: each its own
         self.share = share  # the part of each batch this process accounts for (ParallelPlan.share)
         self.last_grad_norm = None  # the total norm of the latest optimizer step (set by the loop)
         self.reset()
@@ -155,7 +155,11 @@ class _Window:
         per_rank = accelerator.gather(local.unsqueeze(0)).reshape(-1, len(self.FIELDS))  # one collective
         f = {name: per_rank[:, i] for i, name in enumerate(self.FIELDS)}
         # the spread compares data ranks: slices of the same sequences (Ulysses) differ by position, not data
-        by_data = {k: f[k].reshape(-1, self.group).sum(1) for k in ("loss_sum", "targets")}
+        data_of = torch.tensor(self.data_of if self.data_of is not None else range(per_rank.shape[0]),
+                               device=per_rank.device)
+        by_data = {k: f[k].new_zeros(int(data_of.max()) + 1).index_add_(0, data_of, f[k])
+                   for k in ("loss_sum", "targets")}
+        first_process = {int(d): p for p, d in reversed(list(enumerate(data_of.tolist())))}
         rank_loss = by_data["loss_sum"] / by_data["targets"].clamp(min=1)
         mean_loss = f["loss_sum"].sum() / f["targets"].sum().clamp(min=1)
         elapsed = max(time.perf_counter() - self.started - self.excluded_s, 1e-9)
@@ -164,8 +168,8 @@ class _Window:
             "loss": float(mean_loss),
             "loss_rank_min": float(rank_loss.min()),
             "loss_rank_max": float(rank_loss.max()),
-            "loss_rank_min_rank": int(rank_loss.argmin()) * self.group,  # its first process
-            "loss_rank_max_rank": int(rank_loss.argmax()) * self.group,
+            "loss_rank_min_rank": first_process[int(rank_loss.argmin())],  # its first process
+            "loss_rank_max_rank": first_process[int(rank_loss.argmax())],
             "loss_rank_spread": float((rank_loss.max() - rank_loss.min()) / mean_loss.abs().clamp(min=1e-12)),
             "step_time_s": elapsed / max(self.steps, 1),
             "tokens_per_s": float(f["tokens"].sum()) / elapsed,
@@ -246,12 +250,16 @@ def train(run: Run, state: TrainState, hooks: list[Hook], log) -> TrainState:
     checkpoint, lm-eval) is asked, in order, whether it is due; what it returns goes to `log(record, step)`.
     Whether the step saves is decided here, before the hooks run (the metrics line is forced at a checkpoint):
     the checkpointer's step cadence, its clock (agreed across ranks in the step's all-reduce) or a stop."""
-    accelerator, model, optimizer = run.accelerator, run.model, run.trainable.optimizer
+    accelerator, model = run.accelerator, run.model
     cfg, token_loss, checkpointer = run.recipe.training, run.loss, run.checkpointer
-    group, share = (run.plan.group, run.plan.share) if run.plan is not None else (1, 1.0)
+    data_of, share = (run.plan.data_rank_of(accelerator.num_processes), run.plan.share) if run.plan is not None \
+        else (None, 1.0)
     micro_batch_context = run.plan.micro_batch_context(accelerator, model) if run.plan is not None else \
         (lambda batch: contextlib.nullcontext())
-    window = _Window(accelerator.device, *run.throughput, group, share)
+    window = _Window(accelerator.device, *run.throughput, data_of, share)
+    # a pipeline's schedule runs the window whole (parallel/pipeline.py)
+    run_window = (run.plan.window_runner(run) if run.plan is not None else None) or \
+        _one_at_a_time(run, micro_batch_context)
     total_steps = run.steps.total_steps
     model.train()
     windows = run.steps.windows(run, state)
@@ -269,16 +277,8 @@ def train(run: Run, state: TrainState, hooks: list[Hook], log) -> TrainState:
             micro_batches, accelerator, token_loss,
             (_stop_requested, checkpointer is not None and checkpointer.time_due()))
         guards.at("forward/backward (gradient all-reduce / shard gathers) and optimizer step", step)
-        for batch in micro_batches:
-            with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
-                    micro_batch_context(batch):
-                loss = token_loss.training_loss(model, batch, denominator)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    window.last_grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            window.add_micro(loss.detach() * denominator, token_loss.units(batch), batch)
+        for batch, loss_sum in zip(micro_batches, run_window(micro_batches, denominator, window)):
+            window.add_micro(loss_sum, token_loss.units(batch), batch)
         run.scheduler.step()
         state.step += 1
         window.steps += 1
@@ -289,6 +289,28 @@ def train(run: Run, state: TrainState, hooks: list[Hook], log) -> TrainState:
         if stop or last:
             return state
     return state
+
+
+def _one_at_a_time(run: Run, micro_batch_context):
+    """The window's runner of every mesh but a pipeline: each micro-batch forward and backward inside accelerate's
+    accumulation, the last one clipping and stepping; it returns each micro-batch's summed loss."""
+    accelerator, model, optimizer = run.accelerator, run.model, run.trainable.optimizer
+    cfg, token_loss = run.recipe.training, run.loss
+
+    def run_window(micro_batches: list[dict], denominator, window: _Window) -> list[torch.Tensor]:
+        sums = []
+        for batch in micro_batches:
+            with accelerator.accumulate(model), _activation_storage(cfg, accelerator.device), \
+                    micro_batch_context(batch):
+                loss = token_loss.training_loss(model, batch, denominator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    window.last_grad_norm = _grad_norm(accelerator, model, cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            sums.append(loss.detach() * denominator)
+        return sums
+    return run_window
 
 
 def _after_step(hooks: list[Hook], end: StepEnd, log) -> None:

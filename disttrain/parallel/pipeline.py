@@ -1,0 +1,126 @@
+"""Pipeline parallelism: the model cut into stages by its decoder layers, one stage per process of a pipeline,
+run by torch.distributed.pipelining's schedules (GPipe, 1F1B), FSDP2 over each stage's data-parallel processes.
+
+The mesh is (pp, dp), pp outermost as torchtitan lays it: stage s is processes s*dp .. s*dp + dp - 1, so the
+stages of one pipeline sit dp processes apart (across nodes when a node holds dp of them: only activations cross
+the slow link, while FSDP2's all-gathers stay inside a node), and data rank d is the processes d, d + dp, ... .
+
+The stages: disttrain/model/stages.py cuts the HF model itself by its decoder layers (the names kept whole); the
+last stage returns the micro-batch's summed token loss through the chunked head of objectives/token_loss.py (no
+full-vocabulary logits).
+
+The loss: one optimizer step is one schedule step over the window's grad_accum micro-batches (each one of the
+schedule's micro-batches, padded to data.max_seq_len: the schedule infers the shapes it sends once). Each
+micro-batch's loss is its summed token loss / (the window's target tokens over all data ranks / dp), so that
+FSDP2's mean over the dp processes leaves exactly the token-weighted mean of one process (loop.py). Gradient
+clipping takes the total norm over every stage (each stage's squared norm, all-reduced over its pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from disttrain.data import IGNORE_INDEX
+from disttrain.errors import DisttrainError
+from disttrain.model.stages import StagePlace
+
+PIPELINE_CONFIG = "accelerate_configs/fsdp_pp.yaml"  # its size: runtime/backends.PIPELINE_ENV (make sets it)
+# families whose inner model forward takes inputs_embeds as the hidden states, adding nothing to them (Gemma
+# scales its embeddings inside that forward: a middle stage would scale them again) and whose causal LM adds
+# nothing but lm_head to it
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # one stage per process (interleaved schedules hold several)
+
+
+def check_model(config, name: str, pp: int) -> None:
+    """What the model's config alone says about cutting it into pp stages, one line each."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in FAMILIES:
+        raise DisttrainError(f"{name} is a {model_type} model: pipeline parallelism ({PIPELINE_CONFIG}) cuts "
+                             f"{', '.join(FAMILIES)} models here (the stage forward of other families is unverified); "
+                             "train it under fsdp.yaml, hsdp.yaml or a ZeRO config")
+    if getattr(config, "tie_word_embeddings", False):
+        raise DisttrainError(f"{name} ties its input and output embeddings (tie_word_embeddings): under pipeline "
+                             "parallelism they sit on the first and the last stage, whose gradients are not summed "
+                             "here; use fsdp.yaml for it")
+    layers = config.num_hidden_layers
+    if layers % pp:
+        raise DisttrainError(f"{name} has {layers} decoder layers: {pp} pipeline stages need them divisible by {pp} "
+                             f"(make train-fsdp-pp PP=N with N dividing {layers})")
+
+
+def padded(micro_batches: list[dict], rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, labels) of the window's micro-batches, each padded to rows x length (right: a causal model's
+    real tokens never attend to what follows them) and stacked, as the schedule splits them again."""
+    ids, labels = [], []
+    for batch in micro_batches:
+        got_rows, got_length = batch["input_ids"].shape
+        if got_length > length:
+            raise DisttrainError(f"a micro-batch of {got_length} tokens is longer than data.max_seq_len={length}, "
+                                 "which pipeline parallelism pads every micro-batch to")
+        pad = (0, length - got_length, 0, rows - got_rows)
+        ids.append(nn.functional.pad(batch["input_ids"], pad, value=0))
+        labels.append(nn.functional.pad(batch["labels"], pad, value=IGNORE_INDEX))
+    return torch.cat(ids), torch.cat(labels)
+
+
+class PipelineRunner:
+    """The schedule of one stage: runs a window of micro-batches forward and backward, and clips the gradients by
+    the norm over every stage."""
+
+    def __init__(self, model, place: StagePlace, mesh, schedule: str, microbatches: int, rows: int, length: int,
+                 device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        self.place, self.rows, self.length, self.device = place, rows, length, device
+        self.group = mesh["pp"].get_group()
+        self.model = model
+        self.scale = None  # the window's divisor, set before each step
+        stage = PipelineStage(model, place.stage, place.stages, device, group=self.group)
+        self.schedule = get_schedule_class(SCHEDULES[schedule])(stage, n_microbatches=microbatches,
+                                                                 loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, summed: torch.Tensor, _target) -> torch.Tensor:
+        return summed / self.scale
+
+    def run(self, micro_batches: list[dict], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the window (`scale`: what each micro-batch's summed loss is divided by);
+        returns each micro-batch's summed token loss, the same on every stage (one all-reduce over the pipeline)."""
+        ids, labels = padded(micro_batches, self.rows, self.length)
+        self.scale, losses = scale, []
+        if self.place.first:
+            self.schedule.step(ids.to(self.device))
+        elif self.place.last:
+            self.schedule.step(labels=labels.to(self.device), target=labels.to(self.device), losses=losses,
+                               return_outputs=False)
+        else:
+            self.schedule.step()
+        sums = torch.stack(losses).detach() * scale if losses else torch.zeros(len(micro_batches), device=self.device)
+        torch.distributed.all_reduce(sums, group=self.group)  # only the last stage's are non-zero
+        return sums
+
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        """The total gradient norm over every stage (clipped to max_norm where set), as one model's."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):  # FSDP2: the norm of this stage's shards over its data-parallel processes
+            norm = norm.full_tensor()
+        squared = norm.float() ** 2
+        torch.distributed.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+
+
+def cut(model, place: StagePlace):
+    """The model cut to its stage (model/stages.py), the last stage's loss the chunked head's summed token loss."""
+    from disttrain.model.stages import cut_to_stage
+    from disttrain.objectives.token_loss import chunked_loss_sum
+
+    return cut_to_stage(model, place, chunked_loss_sum)
