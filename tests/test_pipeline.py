@@ -83,14 +83,17 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(tiny_model_dir, monk
     check_pipeline(recipe(), 2)
     assert "evaluation (set data.eval_path=null and training.eval_every=null)" in said(
         lambda: check_pipeline(load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.samples=0"]), 2))
-    assert "LoRA (lora:) is not supported under pipeline parallelism" in said(
+    check_pipeline(recipe("lora.r=8", "lora.dropout=0"), 2)
+    assert "lora.dropout > 0 (each stage's masks, unverified) is not supported under pipeline parallelism" in said(
         lambda: check_pipeline(recipe("lora.r=8"), 2))
+    assert "lora.use_dora, use_rslora" in said(lambda: check_pipeline(recipe("lora.r=8", "lora.use_dora=true"), 2))
     assert "logging.samples > 0" in said(lambda: check_pipeline(recipe("logging.samples=2"), 2))
 
 
-def _pipeline_run(folder, model_dir, runs, name: str, processes: int, data_ranks: int, schedule: str, **extra):
+def _pipeline_run(folder, model_dir, runs, name: str, processes: int, data_ranks: int, schedule: str,
+                  lora: bool = False, **extra):
     """The strategy matrix's recipe (4 rows a step: data_ranks x micro-batch x accumulation 2) under fsdp_pp."""
-    return matrix_recipe(folder, model_dir, small_data(runs), name, data_ranks,
+    return matrix_recipe(folder, model_dir, small_data(runs), name, data_ranks, lora,
                          training={"pp_schedule": schedule, **extra.pop("training", {})}, **extra)
 
 
@@ -160,3 +163,27 @@ def test_bf16_stages_on_text_chunks_train_like_one_process(runs, tiny_model_dir,
         results[name] = losses(tmp_path / name)
     assert len(results["pp"]) == 6
     assert list(results["pp"].values()) == pytest.approx(list(results["one"].values()), rel=1e-3)
+
+
+@pytest.mark.launch
+def test_lora_on_pipeline_stages_trains_like_one_process(runs, tiny_model_dir, tmp_path):
+    """The matrix's LoRA (q, v and down projections; merged on export) on two stages, each FSDP2-sharded over two
+    processes (its frozen base and its adapters in the same units): each stage trains the adapters of its layers;
+    every step's loss equal to one process's, the adapter gathered from both stages and the merged model the same
+    weights."""
+    from safetensors.torch import load_file
+
+    single = strategy_run(runs, tiny_model_dir, "single_gpu", True).out
+    recipe = _pipeline_run(tmp_path, tiny_model_dir, runs, "lora", 4, 2, "1f1b", lora=True)
+    assert_ok(launch("fsdp_pp", recipe, nproc=4, env=PP_ENV))
+    out = tmp_path / "lora"
+    ours, theirs = losses(out), losses(single)
+    assert sorted(ours) == list(range(1, STEPS + 1))
+    assert list(ours.values()) == pytest.approx([theirs[s] for s in ours], rel=RTOL)
+    a, b = (load_file(run / "final" / "adapter_model.safetensors") for run in (out, single))
+    assert set(a) == set(b) and any(".layers.0." in k for k in a) and any(".layers.1." in k for k in a)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=RTOL, atol=1e-6, msg=name)
+    merged, reference = (load_file(run / "final" / "merged" / "model.safetensors") for run in (out, single))
+    for name in reference:
+        torch.testing.assert_close(merged[name], reference[name], rtol=RTOL, atol=1e-6, msg=name)

@@ -12,7 +12,7 @@ import torch
 
 from disttrain.data.vision import saved_with
 from disttrain.model.loading import DTYPES, is_peft_model
-from disttrain.model.stages import stage_of, write_stage_weights
+from disttrain.model.stages import stage_of, write_stage_adapters, write_stage_weights
 from disttrain.recipe.schema import ModelSection
 from disttrain.runtime.backends import bare_model
 
@@ -30,7 +30,7 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if stage_of(bare_model(accelerator, model)) is not None:
-        return _export_stages(accelerator, bare_model(accelerator, model), tokenizer, out, tmp)
+        return _export_stages(accelerator, bare_model(accelerator, model), tokenizer, out, tmp, spec, merge_lora)
     state_dict = accelerator.get_state_dict(model)  # collective: all ranks must call it
     unwrapped = bare_model(accelerator, model)
     state_dict, masters = _zero_fp32_masters(accelerator, unwrapped, state_dict, spec)  # collective too
@@ -60,24 +60,33 @@ def export_model(accelerator, model, tokenizer, out_dir: str | Path, spec: Model
     return out
 
 
-def _export_stages(accelerator, model, tokenizer, out: Path, tmp: Path) -> Path:
+def _export_stages(accelerator, model, tokenizer, out: Path, tmp: Path, spec: ModelSection, merge_lora: bool) -> Path:
     """A pipeline's stages (parallel/pipeline.py) as one sharded HF checkpoint: each stage's file written by the
-    first of its processes, the index, config and tokenizer by the main process; renamed into place as above."""
+    first of its processes, the index, config and tokenizer by the main process; LoRA: the adapters of every stage
+    gathered to the main process, written (and merged) as above. Renamed into place as above."""
     import json
 
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    weight_map = write_stage_weights(model, tmp)  # collective
+    if is_peft_model(model):
+        write_stage_adapters(model, tmp, accelerator.is_main_process)  # collective
+        if accelerator.is_main_process:
+            if merge_lora:
+                _save_merged(tmp, model, spec)
+                saved_with(tokenizer).save_pretrained(tmp / "merged")
+    else:
+        weight_map = write_stage_weights(model, tmp)  # collective
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not is_peft_model(model):
         sizes = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
         index = {"metadata": {"total_size": sizes}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         model.config.save_pretrained(tmp)  # the whole model's (each stage's inner model holds a cut copy)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
+    if accelerator.is_main_process:
         saved_with(tokenizer).save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -9,6 +9,7 @@ import torch
 from disttrain.errors import DisttrainError
 from disttrain.model import lora_init, parts
 from disttrain.recipe.schema import DataSection, LoraSection, ModelSection
+from disttrain.runtime import fp8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -105,6 +106,7 @@ def load_model(spec: ModelSection, lora: LoraSection | None, sharded: bool = Fal
     vision = Family.of_recipe(spec).vision
     model_class = (AutoModelForSequenceClassification if head == "score"
                    else AutoModelForImageTextToText if vision else AutoModelForCausalLM)
+    fp8.quiet_torchao_on_cpu()  # transformers imports torchao (when installed) in from_pretrained
     model = model_class.from_pretrained(
         spec.name_or_path, revision=spec.revision, dtype=DTYPES[spec.dtype],
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,

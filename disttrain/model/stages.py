@@ -82,6 +82,25 @@ def stage_of(model) -> StagePlace | None:
     return getattr(model, "_disttrain_stage", None)
 
 
+def write_stage_adapters(model, directory, is_main: bool) -> None:
+    """Collective over every process: a LoRA model's adapters, each stage's selected by peft from its weights
+    gathered whole (FSDP2), written by the main process as one adapter (peft's config and file, every stage's
+    tensors in the file)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = {name: value.detach().cpu().contiguous() for name, value in
+            get_peft_model_state_dict(model, state_dict=weights).items()} if stage_of(model).data_rank == 0 else {}
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.gather_object(mine, every if is_main else None, dst=0)
+    if is_main:
+        model.save_pretrained(directory, state_dict=weights, safe_serialization=True)  # its config, this stage
+        save_file({name: value for part in every for name, value in part.items()},
+                  str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
 def write_stage_weights(model, directory) -> dict[str, str]:
     """Collective over the pipeline's processes: each stage's weights gathered whole over its data-parallel
     processes (FSDP2), the first of them writing them as one safetensors file of a sharded HF checkpoint

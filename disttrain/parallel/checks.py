@@ -183,16 +183,20 @@ def check_expert_parallel(recipe: Recipe, ep: int) -> None:
 
 
 def check_pipeline(recipe: Recipe, pp: int) -> None:
-    """Pipeline parallelism is verified here for full fine-tuning with the SFT objective on map-style, unpacked
-    data, the chunked loss, in fp32 or bf16; the rest is refused, not guessed (each needs the stage cut to carry
-    it: adapters, a second model, generation, evaluation through the schedule)."""
+    """Pipeline parallelism is verified here for full fine-tuning and plain LoRA with the SFT objective on
+    map-style, unpacked data, the chunked loss, in fp32 or bf16; the rest is refused, not guessed (each needs the
+    stage cut to carry it: a second model, generation, evaluation through the schedule, DoRA's and the experts'
+    adapters)."""
     from disttrain.parallel.pipeline import PIPELINE_CONFIG
 
-    d, t, m = recipe.data, recipe.training, recipe.model
+    d, t, m, lora = recipe.data, recipe.training, recipe.model, recipe.lora
     evaluates = t.eval_every is not None or any(s.eval_path or s.eval_split or s.eval_fraction
                                                 for s in d.all_sources())
     refused = [(t.objective != "sft", f"training.objective={t.objective}"),
-               (recipe.lora is not None, "LoRA (lora:)"),
+               (lora is not None and (lora.use_dora or lora.use_rslora or bool(lora.target_parameters)
+                                      or bool(lora.modules_to_save)),
+                "lora.use_dora, use_rslora, target_parameters or modules_to_save (plain LoRA trains)"),
+               (lora is not None and lora.dropout > 0, "lora.dropout > 0 (each stage's masks, unverified)"),
                (m.quantization is not None, "model.quantization"),
                (d.streaming, "data.streaming=true"),
                (d.packing or d.chunk_isolate_documents, "data.packing / data.chunk_isolate_documents (position ids "

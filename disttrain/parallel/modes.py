@@ -225,8 +225,8 @@ class Pipeline(DataParallel):
 
     def __init__(self, pp: int, dp: int):
         self.pp, self.dp = pp, dp
+        self.group = pp  # the processes that read the same rows (dp apart, not consecutive: data_rank says which)
         self.share = 1.0 / pp
-        self.runner = None
 
     def data_rank(self, process: int) -> int:
         return process % self.dp  # pp outermost: a pipeline's processes are dp apart
@@ -250,43 +250,18 @@ class Pipeline(DataParallel):
     def prepare_model(self, accelerator, model, optimizer):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from disttrain.parallel.pipeline import cut
+        from disttrain.parallel import pipeline
 
-        names = {id(param): name for name, param in model.named_parameters()}
         self.mesh = init_device_mesh(accelerator.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
-        model = cut(model, self.place(accelerator.process_index, model.config.num_hidden_layers))
-        model.to(accelerator.device)
-        if self.dp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=self.mesh["dp"])
-            fully_shard(model, mesh=self.mesh["dp"])
-        kept = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [kept[names[id(p)]] for p in group["params"] if names[id(p)] in kept]
-        return _prepared_as_it_is(accelerator, model)
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        place = self.place(accelerator.process_index, config.num_hidden_layers)
+        return _prepared_as_it_is(accelerator, pipeline.prepare(model, optimizer, place, self.mesh,
+                                                                accelerator.device))
 
     def window_runner(self, run):
-        from disttrain.model.stages import stage_of
-        from disttrain.parallel.pipeline import PipelineRunner
+        from disttrain.parallel import pipeline
 
-        cfg, model = run.recipe.training, run.model
-        self.runner = PipelineRunner(model, stage_of(model), self.mesh, cfg.pp_schedule, cfg.grad_accum,
-                                     cfg.micro_batch_size, run.recipe.data.max_seq_len, run.accelerator.device)
-        runner, optimizer, accumulation = self.runner, run.trainable.optimizer, cfg.grad_accum
-        # the start-up self-check runs the whole model's forward, which no stage holds; a stage's loss is the
-        # chunked head's own function (tests/test_loss_impl.py), on the families check_model lets through
-        run.loss.engine.checked = True
-
-        def run_window(micro_batches: list, denominator, window):
-            # each micro-batch's summed loss / (the window's targets / dp): accelerate's /grad_accum undone
-            sums = runner.run(micro_batches, denominator * accumulation)
-            window.last_grad_norm = runner.clip(cfg.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return sums
-        return run_window
+        return pipeline.window_runner(run, self.mesh)
 
 
 @contextmanager

@@ -124,3 +124,49 @@ def cut(model, place: StagePlace):
     from disttrain.objectives.token_loss import chunked_loss_sum
 
     return cut_to_stage(model, place, chunked_loss_sum)
+
+
+def prepare(model, optimizer, place: StagePlace, mesh, device):
+    """The loaded model (a causal LM, or peft's wrapper of one: its adapters train on their layers' stage) cut to
+    this process's stage, FSDP2-sharded over the stage's processes (each decoder layer, then the rest), and the
+    optimizer made before the cut pointed at the stage's parameters (as accelerate re-points an optimizer at
+    FSDP2's); returns the model to prepare (the wrapper, for LoRA)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cut(base, place).to(device)
+    if place.data_ranks > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in base.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(base, mesh=mesh["dp"])
+    model._disttrain_stage = place  # on peft's wrapper too: what holds the stage is asked, not its type
+    kept = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [kept[names[id(p)]] for p in group["params"] if names[id(p)] in kept]
+    return model
+
+
+def window_runner(run, mesh):
+    """What the loop calls with each window (loop.py): the stage's schedule forward and backward, the clipping
+    over every stage, the optimizer step; it returns each micro-batch's summed loss."""
+    from disttrain.model.stages import stage_of
+
+    cfg, model = run.recipe.training, run.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    runner = PipelineRunner(base, stage_of(model), mesh, cfg.pp_schedule, cfg.grad_accum, cfg.micro_batch_size,
+                            run.recipe.data.max_seq_len, run.accelerator.device)
+    optimizer = run.trainable.optimizer
+    # the start-up self-check runs the whole model's forward, which no stage holds; a stage's loss is the chunked
+    # head's own function (tests/test_loss_impl.py), on the families check_model lets through
+    run.loss.engine.checked = True
+
+    def run_window(micro_batches: list, denominator, window):
+        # each micro-batch's summed loss / (the window's targets / dp): accelerate's /grad_accum undone
+        with run.accelerator.autocast():  # a LoRA stage runs below peft's wrapper, whose forward accelerate wraps
+            sums = runner.run(micro_batches, denominator * cfg.grad_accum)
+        window.last_grad_norm = runner.clip(cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sums
+    return run_window

@@ -525,13 +525,15 @@ CELLS: dict[str, dict[str, Cell]] = {
 
 
 # Pipeline parallelism: full fine-tuning proven (stages alone, across a resume; FSDP2 over the stages through make),
-# bf16 and text chunks, the checkpoints' clock; everything else refused by parallel/checks.check_pipeline (or the
+# LoRA, bf16 and text chunks, the checkpoints' clock; everything else refused by parallel/checks.check_pipeline (or the
 # model check) until a stage carries it
 PPT = "tests/test_pipeline.py"
 PIPELINE_REFUSAL = "pipeline parallelism (accelerate_configs/fsdp_pp.yaml"
 PIPELINE_CELLS: dict[str, Cell] = {
     "full": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",
                     f"{PPT}::test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make")),
+    "lora": Proven((f"{PPT}::test_lora_on_pipeline_stages_trains_like_one_process",),
+                   "each stage's adapters, FSDP2 over 2 processes each; merged on export"),
     **_each(("bf16", "concat_chunk"), lambda c: Proven(
         (f"{PPT}::test_bf16_stages_on_text_chunks_train_like_one_process",), "pp 2 alone, bf16 on text chunks")),
     "time_checkpoints": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",),

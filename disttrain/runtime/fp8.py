@@ -31,14 +31,20 @@ ALIGNMENT = 16
 PROVEN = ("single", "ddp", "fsdp")
 
 
-def _float8():
-    """torchao.float8, imported with its loader's warnings muted on a CPU build of torch (torchao's CUDA extensions
-    cannot load there, and float8 training needs none of them)."""
+def quiet_torchao_on_cpu() -> None:
+    """Without a GPU, torchao's import warns that its CUDA extensions cannot load (float8 training needs none of
+    them; nothing else here uses them) and its enums trigger a deprecation in torch: muted. transformers imports
+    torchao whenever it is installed (its quantizers, at every from_pretrained), so every run would print them."""
     import logging
 
     if not torch.cuda.is_available():
-        for name in ("torchao", "torch.utils._pytree"):  # the second: a deprecation torchao's enums trigger
+        for name in ("torchao", "torch.utils._pytree"):
             logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _float8():
+    """torchao.float8, its import quieted on a CPU."""
+    quiet_torchao_on_cpu()
     import torchao.float8
 
     return torchao.float8
