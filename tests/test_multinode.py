@@ -50,6 +50,23 @@ def test_two_nodes_train_like_one(strategy, tmp_path, tiny_model_dir, runs):
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
 
 
+def test_two_nodes_hold_the_two_stages_of_a_pipeline(tmp_path, tiny_model_dir, runs):
+    """`make train-fsdp-pp NODES=2 GPUS=1` (PP=2 by default): each node runs one stage, only activations and their
+    gradients cross between them; the matrix's recipe (one data rank: 2 rows x accumulation 2) equals one process."""
+    one = strategy_run(runs, tiny_model_dir, "single_gpu", False)
+    two = matrix_recipe(tmp_path, tiny_model_dir, small_data(runs), "two", processes=1)
+    port = free_port()
+    nodes = [make_node("fsdp-pp", rank, port, two) for rank in (0, 1)]
+    outputs = [finish(node) for node in nodes]
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out[-4000:]
+    assert "mesh=pp=2 " in outputs[0] and "processes=2" in outputs[0]
+    single = [r["loss"] for r in read_metrics(one.out) if "loss" in r]
+    multi = [r["loss"] for r in read_metrics(tmp_path / "two") if "loss" in r]
+    assert len(multi) == 10 and multi == pytest.approx(single, rel=1e-5)
+    assert (tmp_path / "two" / "final" / "model.safetensors.index.json").is_file()
+
+
 def test_wrong_master_address_fails_fast_with_the_address(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(tiny_model_dir, tmp_path / "out"))
     port = free_port()  # nobody listens there: node 1 can never join

@@ -32,18 +32,20 @@ def _tiny_qwen3():
     return Qwen3ForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_stages_keep_the_models_names_and_chain_to_its_own_loss(family, tiny_model_dir):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_stages_keep_the_models_names_and_chain_to_its_own_loss(family, tiny_model_dir, tiny_moe_dir):
     from transformers import AutoModelForCausalLM
 
-    whole = (AutoModelForCausalLM.from_pretrained(tiny_model_dir) if family == "llama" else _tiny_qwen3()).eval()
+    whole = {"llama": lambda: AutoModelForCausalLM.from_pretrained(tiny_model_dir), "qwen3": _tiny_qwen3,
+             "qwen3_moe": lambda: AutoModelForCausalLM.from_pretrained(tiny_moe_dir)}[family]().eval()
     layers = whole.config.num_hidden_layers
     stages = [pipeline.cut(copy.deepcopy(whole), stage_cut.StagePlace(
         s, 2, 0, 1, stage_cut.stage_layers(layers, s, 2))) for s in range(2)]
     first, last = (set(dict(stage.named_parameters())) for stage in stages)
     assert first.isdisjoint(last) and first | last == set(dict(whole.named_parameters()))
     assert "model.embed_tokens.weight" in first and "lm_head.weight" in last and "model.norm.weight" in last
-    assert f"model.layers.{layers - 1}.mlp.down_proj.weight" in last and "model.layers.0.mlp.down_proj.weight" in first
+    assert f"model.layers.{layers - 1}.input_layernorm.weight" in last
+    assert "model.layers.0.input_layernorm.weight" in first
     torch.manual_seed(1)
     ids = torch.randint(3, 400, (3, 24))
     labels = ids.clone()
@@ -73,6 +75,7 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(tiny_model_dir, monk
     assert "ties its input and output embeddings" in said(
         lambda: pipeline.check_model(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True), "m", 2))
     assert "is a gemma model: pipeline parallelism" in said(lambda: pipeline.check_model(GemmaConfig(), "m", 2))
+    assert "trains its router's load-balancing loss" in said(lambda: pipeline.check_model(llama, "m", 2, True))
     monkeypatch.setenv("PARALLELISM_CONFIG_PP_SIZE", "3")
     assert "PARALLELISM_CONFIG_PP_SIZE=3 must divide the 4 processes" in said(lambda: read_mesh("ddp", 4))
     assert "not from this FSDP or DeepSpeed config" in said(lambda: read_mesh("fsdp", 4))
@@ -187,3 +190,22 @@ def test_lora_on_pipeline_stages_trains_like_one_process(runs, tiny_model_dir, t
     merged, reference = (load_file(run / "final" / "merged" / "model.safetensors") for run in (out, single))
     for name in reference:
         torch.testing.assert_close(merged[name], reference[name], rtol=RTOL, atol=1e-6, msg=name)
+
+
+@pytest.mark.launch
+def test_a_mixture_of_experts_on_pipeline_stages_trains_like_one_process(runs, tiny_moe_dir, tmp_path):
+    """The tiny Qwen3-MoE (4 experts per block, 2 per token) on two stages (1F1B): every step's loss and gradient
+    norm equal to one process's (expert parallelism's reference run), the export the same weights."""
+    from test_expert_parallel import ep_run
+
+    single, _ = ep_run(runs, tiny_moe_dir, "single_gpu")
+    recipe = _pipeline_run(tmp_path, tiny_moe_dir, runs, "moe", 2, 1, "1f1b")
+    assert_ok(launch("fsdp_pp", recipe, nproc=2, env=PP_ENV))
+    out = tmp_path / "moe"
+    ours, theirs = losses(out), losses(single)
+    assert sorted(ours) == list(range(1, STEPS + 1))
+    assert list(ours.values()) == pytest.approx([theirs[s] for s in ours], rel=RTOL)
+    norms = {r["step"]: r["grad_norm"] for r in read_metrics(out) if "grad_norm" in r}
+    assert list(norms.values()) == pytest.approx([r["grad_norm"] for r in read_metrics(single) if "grad_norm" in r],
+                                                 rel=RTOL)
+    _same_weights(out, single)

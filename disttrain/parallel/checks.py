@@ -210,8 +210,7 @@ def check_pipeline(recipe: Recipe, pp: int) -> None:
                (t.compile, "training.compile=true"),
                (m.gradient_checkpointing, "model.gradient_checkpointing=true"),
                (t.offload_activations, "training.offload_activations=true"),
-               (t.neftune_alpha is not None, "training.neftune_alpha (NEFTune)"),
-               (m.router_aux_loss_coef is not None, "model.router_aux_loss_coef (a mixture of experts' router loss)")]
+               (t.neftune_alpha is not None, "training.neftune_alpha (NEFTune)")]
     for found, what in refused:
         if found:
             raise DisttrainError(f"{what} is not supported under pipeline parallelism ({PIPELINE_CONFIG}, pp {pp}) "
@@ -224,11 +223,11 @@ def check_pipeline_model(recipe: Recipe, pp: int) -> None:
 
     from disttrain.parallel.pipeline import check_model
 
-    Family.of_recipe(recipe.model)  # an unreadable config: its one line
+    family = Family.of_recipe(recipe.model)  # an unreadable config: its one line
     spec = recipe.model
     config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
                                         trust_remote_code=spec.trust_remote_code)
-    check_model(config, spec.name_or_path, pp)
+    check_model(config, spec.name_or_path, pp, family.router_aux_coef > 0)
 
 
 def check_expert_parallel_model(recipe: Recipe, ep: int, data: tuple[int, int]) -> None:

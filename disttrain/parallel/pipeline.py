@@ -28,13 +28,14 @@ from disttrain.model.stages import StagePlace
 PIPELINE_CONFIG = "accelerate_configs/fsdp_pp.yaml"  # its size: runtime/backends.PIPELINE_ENV (make sets it)
 # families whose inner model forward takes inputs_embeds as the hidden states, adding nothing to them (Gemma
 # scales its embeddings inside that forward: a middle stage would scale them again) and whose causal LM adds
-# nothing but lm_head to it
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# nothing but lm_head to it (a mixture of experts' router loss, which it would add, is refused)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # one stage per process (interleaved schedules hold several)
 
 
-def check_model(config, name: str, pp: int) -> None:
-    """What the model's config alone says about cutting it into pp stages, one line each."""
+def check_model(config, name: str, pp: int, router_loss: bool = False) -> None:
+    """What the model's config alone says about cutting it into pp stages, one line each (`router_loss`: the
+    model's forward would add a mixture of experts' load-balancing loss, which the stages do not)."""
     model_type = getattr(config, "model_type", "?")
     if model_type not in FAMILIES:
         raise DisttrainError(f"{name} is a {model_type} model: pipeline parallelism ({PIPELINE_CONFIG}) cuts "
@@ -44,6 +45,10 @@ def check_model(config, name: str, pp: int) -> None:
         raise DisttrainError(f"{name} ties its input and output embeddings (tie_word_embeddings): under pipeline "
                              "parallelism they sit on the first and the last stage, whose gradients are not summed "
                              "here; use fsdp.yaml for it")
+    if router_loss:
+        raise DisttrainError(f"{name} trains its router's load-balancing loss (model.router_aux_loss_coef, or its "
+                             f"config's output_router_logits): pipeline parallelism ({PIPELINE_CONFIG}) does not add "
+                             "it yet; set model.router_aux_loss_coef=0, or train it under fsdp.yaml or fsdp_ep.yaml")
     layers = config.num_hidden_layers
     if layers % pp:
         raise DisttrainError(f"{name} has {layers} decoder layers: {pp} pipeline stages need them divisible by {pp} "

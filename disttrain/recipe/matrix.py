@@ -531,7 +531,8 @@ PPT = "tests/test_pipeline.py"
 PIPELINE_REFUSAL = "pipeline parallelism (accelerate_configs/fsdp_pp.yaml"
 PIPELINE_CELLS: dict[str, Cell] = {
     "full": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",
-                    f"{PPT}::test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make")),
+                    f"{PPT}::test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make",
+                    f"{PPT}::test_a_mixture_of_experts_on_pipeline_stages_trains_like_one_process")),
     "lora": Proven((f"{PPT}::test_lora_on_pipeline_stages_trains_like_one_process",),
                    "each stage's adapters, FSDP2 over 2 processes each; merged on export"),
     **_each(("bf16", "concat_chunk"), lambda c: Proven(
@@ -539,6 +540,7 @@ PIPELINE_CELLS: dict[str, Cell] = {
     "time_checkpoints": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",),
                                "a checkpoint at every step, each complete; resumed from step 5"),
     "fp8": Refused("training.mixed_precision=fp8 is not supported under fsdp_pp"),
+    "router_global": Refused("model.router_balance=global is not proven under fsdp_pp"),
     **_each(("qlora", "fp16", "adamw_8bit"), lambda c: Refused(PIPELINE_REFUSAL, on_gpu=True)),
 }
 for _key, _cells in CELLS.items():
