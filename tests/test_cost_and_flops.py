@@ -303,6 +303,26 @@ def test_ep_rows_shard_states_as_fsdp2_and_the_experts_traffic_is_counted_by_han
         main(["--recipe", recipe, "--tokens", "1e8", "--gpus", "8", "--ep", "3"])
 
 
+def test_the_pp_row_shards_states_as_fsdp2_and_pays_the_bubble_in_time(capsys):
+    """--pp P: fsdp_pp holds FSDP2's states per GPU; 1F1B's first stage keeps 1/P of the layers' activations for
+    min(P, grad_accum) micro-batches; the time is FSDP2's at the same MFU over 1 - (P - 1) / (m + P - 1), by hand
+    for the 32B recipe (grad_accum 8: 1/9 of each step idle at P 2)."""
+    recipe = str(REPO / "recipes/qwen2.5-32b/full_sft_hsdp.yaml")
+    main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "16", "--pp", "2", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["fsdp_pp"]["states_gb"] == rows["fsdp"]["states_gb"]
+    assert rows["fsdp_pp"]["activations_gb"] == pytest.approx(rows["fsdp"]["activations_gb"] * 2 / 2)
+    assert rows["fsdp_pp"]["hours"] == pytest.approx(rows["fsdp"]["hours"] / (1 - 1 / 9))
+    main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "16", "--pp", "4", "--grad-accum", "2", "--json"])
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["fsdp_pp"]["activations_gb"] == pytest.approx(rows["fsdp"]["activations_gb"] * 2 / 4)
+    assert rows["fsdp_pp"]["hours"] == pytest.approx(rows["fsdp"]["hours"] / (1 - 3 / 5))
+    main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "16", "--pp", "2"])
+    assert "the bubble idles 11% of each step" in capsys.readouterr().out
+    with pytest.raises(DisttrainError, match="--pp 3 must divide --gpus 16"):
+        main(["--recipe", recipe, "--tokens", "1e9", "--gpus", "16", "--pp", "3"])
+
+
 def test_a_plan_that_fits_only_tightly_is_not_recommended_over_one_with_room(capsys):
     """Qwen3-30B-A3B LoRA on 8 x H100: DDP's replicas need 74.6 of 80 GB (fits the allocator, 1.4 GB left);
     the planner recommended it while the recipe's comment called it too tight. Now: FSDP2, with room."""

@@ -43,7 +43,10 @@ STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_o
 # split over all of them, as FSDP2 would shard it; FSDP2 + TP: split over tp, sharded over the tp groups, so
 # again 1/GPUs of every weight, with replicas (hsdp_tp) 1/(GPUs / replicas))
 MESHES = {"hsdp": "fsdp", "zero3_ulysses": "zero3", "fsdp_cp": "fsdp", "tp": "fsdp", "fsdp_tp": "fsdp",
-          "hsdp_tp": "fsdp", "fsdp_ep": "fsdp", "hsdp_ep": "fsdp"}
+          "hsdp_tp": "fsdp", "fsdp_ep": "fsdp", "hsdp_ep": "fsdp", "fsdp_pp": "fsdp"}
+# Pipeline parallelism (--pp) shards the states over every GPU too (1/pp of the layers per stage, FSDP2 over the
+# stage's GPUS / pp); what it changes is the activations (a stage's layers, for the micro-batches in flight) and
+# the schedule's bubble (pipeline_bubble below), which its time includes.
 # Expert parallelism (--ep) shards the states as FSDP2 does over the same GPUs (a replica's): the dense weights
 # over all of them, each expert whole on one of ep GPUs and sharded over the dp_shard / ep that hold it, so again
 # 1/GPUs of everything. What it changes is the traffic: expert_traffic_gb below.
@@ -56,7 +59,9 @@ ASSUMED_MFU = {"ddp": 0.40, "zero1": 0.38, "zero2": 0.32, "fsdp": 0.35, "zero3":
                "fsdp_offload": 0.12, "zero3_offload": 0.12, "hsdp": 0.35, "zero3_ulysses": 0.25, "fsdp_cp": 0.28,
                "tp": 0.30, "fsdp_tp": 0.30, "hsdp_tp": 0.30,
                # assumed as FSDP2's (the FLOPs are the same): EP's gain is the traffic it saves, shown beside
-               "fsdp_ep": 0.35, "hsdp_ep": 0.35}
+               "fsdp_ep": 0.35, "hsdp_ep": 0.35,
+               # FSDP2's over each stage (the same FLOPs); the bubble is counted apart, in the row's time
+               "fsdp_pp": 0.35}
 RESERVE_GB = 2.0
 REFERENCE_NOTES = {"model": "a frozen copy of the weights in the states",
                    "precomputed": "once over the data (exact for one epoch)",
@@ -101,6 +106,7 @@ class Workload:
     teacher_params: float = 0.0
     teacher_weight_bytes: float = 2.0
     teacher_flops_per_token: float = 0.0
+    grad_accum: int = 1  # micro-batches per optimizer step: a pipeline's schedule runs them through its stages
 
 
 def _fsdp_no_sync_gb(w: Workload, strategy: str) -> float:
@@ -169,6 +175,19 @@ def activations_gb(w: Workload, sp: int = 1, tp: int = 1) -> float | None:
     return (layers + logits_bytes(w, tokens)) / 1e9
 
 
+def pipeline_bubble(stages: int, micro_batches: int) -> float:
+    """The share of a step each stage idles under GPipe and 1F1B: (p - 1) / (m + p - 1) (GPipe paper, Huang et al.
+    2019; 1F1B has the same bubble and holds fewer activations, Narayanan et al. 2021)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def pipeline_activations_gb(w: Workload, stages: int) -> float | None:
+    """Per GPU under 1F1B: the first stage holds its 1/stages of the layers for min(stages, grad_accum) micro-batches
+    in flight (GPipe would hold all grad_accum of them)."""
+    whole = activations_gb(w)
+    return None if whole is None else whole * min(stages, w.grad_accum) / stages
+
+
 def logits_bytes(w: Workload, tokens: int) -> float:
     """plain: bf16 logits + their fp32 copy + its gradient for every token (10 bytes x vocab); chunked
     (disttrain/objectives/token_loss.py): one chunk's fp32 logits and their gradient, whatever the sequence;
@@ -232,7 +251,7 @@ def expert_traffic_gb(w: Workload, n_gpus: int, ep: int, hsdp_replicas: int = 1)
             "ep_gather_gb": sharded(experts / ep, shards // ep), "row": "hsdp_ep" if hsdp_replicas > 1 else "fsdp_ep"}
 
 
-def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 1, ep: int = 1
+def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1
                ) -> list[tuple[str, str, int, int, int]]:
     """(row, strategy sharding its states, GPUs they are sharded over, sequence-parallel size, tensor-parallel
     size) per row."""
@@ -267,21 +286,29 @@ def _mesh_rows(n_gpus: int, hsdp_replicas: int, sp: int, cp: int = 1, tp: int = 
         rows.append(("fsdp_ep", MESHES["fsdp_ep"], n_gpus, 1, 1))
         if hsdp_replicas > 1:
             rows.append(("hsdp_ep", MESHES["hsdp_ep"], n_gpus // hsdp_replicas, 1, 1))
+    if pp > 1:
+        if n_gpus % pp:
+            raise DisttrainError(f"--pp {pp} must divide --gpus {n_gpus} (pp stages, each over GPUS / pp GPUs)")
+        rows.append(("fsdp_pp", MESHES["fsdp_pp"], n_gpus, 1, 1))
     return rows
 
 
 def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str, float],
          mfu_source: dict[str, str], host_ram_gb: float | None, hsdp_replicas: int = 1, sp: int = 1,
-         cp: int = 1, tp: int = 1, ep: int = 1) -> dict:
+         cp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1) -> dict:
     total_flops = flops_per_token(w) * w.tokens
     rows = []
-    for strategy, sharding, shards, seq_shards, tensor_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp, tp, ep):
+    for strategy, sharding, shards, seq_shards, tensor_shards in _mesh_rows(n_gpus, hsdp_replicas, sp, cp, tp, ep,
+                                                                            pp):
         states, host = model_states_gb(w, sharding, shards)
-        act = activations_gb(w, seq_shards, tensor_shards)
+        staged = strategy == "fsdp_pp"
+        act = pipeline_activations_gb(w, pp) if staged else activations_gb(w, seq_shards, tensor_shards)
         need = states + (act or 0.0) + RESERVE_GB
         fits = need <= gpu.memory_gb * USABLE and (host_ram_gb is None or host <= host_ram_gb)
         tight = fits and need > gpu.memory_gb * HEADROOM
         seconds = total_flops / (n_gpus * gpu.peak_tflops * 1e12 * mfu[strategy])
+        if staged:  # every stage idles for the bubble's share of each step
+            seconds /= 1 - pipeline_bubble(pp, w.grad_accum)
         if w.decode_tokens_per_s:  # online RL: the sampling at the decode rate given
             seconds += w.tokens * w.generated_share / (n_gpus * w.decode_tokens_per_s)
         hours = seconds / 3600
@@ -292,7 +319,7 @@ def plan(w: Workload, gpu: Accelerator, n_gpus: int, price: float, mfu: dict[str
     fitting = [r for r in rows if r["fits"] and not r["tight"]] or [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: r["cost"])["strategy"] if fitting else None
     return {"flops_per_token": flops_per_token(w), "total_flops": total_flops, "gpu": asdict(gpu), "gpus": n_gpus,
-            "price_per_gpu_hour": price, "rows": rows, "recommended": best, "ep": ep,
+            "price_per_gpu_hour": price, "rows": rows, "recommended": best, "ep": ep, "pp": pp,
             "expert_traffic": expert_traffic_gb(w, n_gpus, ep, hsdp_replicas) if ep > 1 else None}
 
 
@@ -302,6 +329,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     lora = None
     weight_bytes, no_sync_bytes, loss_impl, reference, rollout, teacher = 2.0, 0.0, "chunked", "none", {}, {}
     seq_len, micro, ckpt = args.seq_len or 2048, args.micro_batch or 1, args.gradient_checkpointing
+    accumulation = getattr(args, "grad_accum", None) or 1
     title, multi_turn = "", ""
     if args.recipe or args.config:
         from transformers import AutoConfig
@@ -317,6 +345,7 @@ def _workload_from_args(args) -> tuple[Workload, str]:
             name = recipe.model.name_or_path
             seq_len = args.seq_len or recipe.data.max_seq_len
             micro = args.micro_batch or recipe.training.micro_batch_size
+            accumulation = getattr(args, "grad_accum", None) or recipe.training.grad_accum
             if recipe.training.objective == "dpo":
                 reference = recipe.reference_mode()
                 if not args.micro_batch:
@@ -369,7 +398,8 @@ def _workload_from_args(args) -> tuple[Workload, str]:
     rollout = {k: v for k, v in rollout.items() if k in ("rollout_forwards", "generated_share",
                                                          "decode_tokens_per_s", "rollout_rows", "rollout_tokens")}
     return Workload(params, shape, args.tokens, seq_len, micro, ckpt, lora_params, weight_bytes,
-                    no_sync_bytes, loss_impl, reference, **rollout, routing=routing, **teacher), title
+                    no_sync_bytes, loss_impl, reference, **rollout, routing=routing, **teacher,
+                    grad_accum=accumulation), title
 
 
 SHARDED = ("fsdp", "fsdp_offload", "hsdp", "zero3", "zero3_offload")  # the rows whose rollouts may gather
@@ -524,6 +554,12 @@ def render(result: dict, title: str, w: Workload, chosen: str | None) -> str:
                      + " (EP's states per GPU equal FSDP2's: it saves traffic, not memory; docs/expert_parallel.md).")
     elif result.get("ep", 1) > 1:
         lines.append("--ep: the model is not a mixture of experts (or has no shape): no expert traffic to compare.")
+    if result.get("pp", 1) > 1:
+        pp, m = result["pp"], w.grad_accum
+        lines.append(f"fsdp_pp: {pp} stages, {m} micro-batches per step (training.grad_accum): the bubble idles "
+                     f"{pipeline_bubble(pp, m):.0%} of each step ((p - 1) / (m + p - 1)), included in its time; its "
+                     f"activations are 1/{pp} of the layers for {min(pp, m)} micro-batches in flight (1F1B). Raise "
+                     "grad_accum to shrink the bubble (docs/strategies.md, 'Pipeline parallelism').")
     if w.shape is None:
         lines.append("Activations not included (no model shape): add --config or --recipe for them.")
     if chosen:
@@ -572,6 +608,10 @@ def main(argv=None) -> None:
                     help="add a tp row (TP = GPUS: tensor parallelism alone) or fsdp_tp (and, with --hsdp-replicas, "
                          "hsdp_tp) rows (TP < GPUS: groups of TP GPUs under FSDP2): weights and part of the "
                          "activations / TP")
+    hw.add_argument("--pp", type=int, default=1,
+                    help="add an fsdp_pp row: the layers cut into PP stages, FSDP2 over each stage's GPUS / PP; "
+                         "its time includes the schedule's bubble over --grad-accum (or the recipe's) micro-batches")
+    hw.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the recipe's, or 1)")
     hw.add_argument("--ep", type=int, default=1,
                     help="add fsdp_ep (and, with --hsdp-replicas, hsdp_ep) rows: a mixture of experts' experts split "
                          "over EP GPUs of each replica, FSDP2 over the rest; and the experts' traffic it saves")
@@ -596,7 +636,7 @@ def main(argv=None) -> None:
     workload, title = _workload_from_args(args)
     mfu, source = _mfu(args)
     result = plan(workload, gpu, args.gpus, gpu.price_per_hour, mfu, source, args.host_ram_gb, args.hsdp_replicas,
-                  args.sp, args.cp, args.tp, args.ep)
+                  args.sp, args.cp, args.tp, args.ep, args.pp)
     if args.json:
         print(json.dumps({**result, "model": title, "chosen": args.strategy}, indent=1))
     else:
