@@ -81,11 +81,8 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(tiny_model_dir, monk
     assert "not from this FSDP or DeepSpeed config" in said(lambda: read_mesh("fsdp", 4))
     monkeypatch.setenv("PARALLELISM_CONFIG_PP_SIZE", "2")
     assert read_mesh("ddp", 4).label == "pp=2,dp_shard=2"
-    base = ["data.eval_path=null", "training.eval_every=null", "logging.samples=0"]
-    recipe = lambda *o: load_recipe(REPO / "recipes/tiny/sft.yaml", [*base, *o])  # noqa: E731
+    recipe = lambda *o: load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.samples=0", *o])  # noqa: E731
     check_pipeline(recipe(), 2)
-    assert "evaluation (set data.eval_path=null and training.eval_every=null)" in said(
-        lambda: check_pipeline(load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.samples=0"]), 2))
     check_pipeline(recipe("lora.r=8", "lora.dropout=0"), 2)
     assert "lora.dropout > 0 (each stage's masks, unverified) is not supported under pipeline parallelism" in said(
         lambda: check_pipeline(recipe("lora.r=8"), 2))
@@ -153,19 +150,25 @@ def test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make(runs, t
 
 
 @pytest.mark.launch
-def test_bf16_stages_on_text_chunks_train_like_one_process(runs, tiny_model_dir, tmp_path):
-    """bf16 autocast on concatenated text chunks (the matrix's concat_chunk data): the stages compute what one
-    process computes, step for step."""
-    data = {"path": str(REPO / "data/tiny_text.jsonl"), "format": "text", "concat_and_chunk": True, "max_seq_len": 48}
+def test_bf16_stages_on_text_chunks_train_and_evaluate_like_one_process(runs, tiny_model_dir, tmp_path):
+    """bf16 autocast on concatenated text chunks (the matrix's concat_chunk data), a held-out tenth evaluated every
+    3 steps (a forward through both stages per eval batch, rows and lengths unlike the training ones): the stages
+    compute what one process computes, step for step, eval loss included."""
+    data = {"path": str(REPO / "data/tiny_text.jsonl"), "format": "text", "concat_and_chunk": True, "max_seq_len": 48,
+            "eval_fraction": 0.1}
     results = {}
     for name, config, processes in (("one", "single_gpu", 1), ("pp", "fsdp_pp", 2)):
         recipe = matrix_recipe(tmp_path, tiny_model_dir, data, name, 1,
-                               training={"mixed_precision": "bf16", "max_steps": 6, "pp_schedule": "gpipe"})
+                               training={"mixed_precision": "bf16", "max_steps": 6, "pp_schedule": "gpipe",
+                                         "eval_every": 3})
         proc = launch(config, recipe, nproc=processes, env=PP_ENV if processes > 1 else None)
         assert_ok(proc)
-        results[name] = losses(tmp_path / name)
-    assert len(results["pp"]) == 6
-    assert list(results["pp"].values()) == pytest.approx(list(results["one"].values()), rel=1e-3)
+        records = read_metrics(tmp_path / name)
+        results[name] = (losses(tmp_path / name), {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r})
+    (ours, our_eval), (theirs, their_eval) = results["pp"], results["one"]
+    assert len(ours) == 6 and sorted(our_eval) == [3, 6]
+    assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-3)
+    assert list(our_eval.values()) == pytest.approx(list(their_eval.values()), rel=1e-3)
 
 
 @pytest.mark.launch

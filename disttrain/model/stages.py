@@ -47,7 +47,8 @@ def stage_layers(num_layers: int, stage: int, stages: int) -> tuple[int, ...]:
 def cut_to_stage(model, place: StagePlace, head_loss):
     """The causal LM `model` cut in place to the stage `place` names (the module docstring says how); returns it,
     its forward now the stage's: (token ids | hidden states[, labels]) -> hidden states | on the last stage
-    head_loss(final hidden states, lm_head, labels), the micro-batch's summed token loss."""
+    head_loss(final hidden states, lm_head, labels), the micro-batch's summed token loss (without labels: what
+    lm_head returns, the loss engine's per-token losses in evaluation)."""
     inner = model.model
     kept = nn.ModuleList()
     kept._modules = OrderedDict((str(i), inner.layers[i]) for i in place.layers)  # original names: model.layers.<i>
@@ -70,6 +71,8 @@ def cut_to_stage(model, place: StagePlace, head_loss):
             hidden = inner(inputs_embeds=received, use_cache=False).last_hidden_state
         if not place.last:
             return hidden
+        if labels is None:  # evaluation: what lm_head returns (the loss engine's per-token losses)
+            return model.lm_head(hidden)
         return head_loss(hidden, model.lm_head, labels)  # inside forward: FSDP2 has lm_head whole
 
     model.forward = forward

@@ -184,14 +184,11 @@ def check_expert_parallel(recipe: Recipe, ep: int) -> None:
 
 def check_pipeline(recipe: Recipe, pp: int) -> None:
     """Pipeline parallelism is verified here for full fine-tuning and plain LoRA with the SFT objective on
-    map-style, unpacked data, the chunked loss, in fp32 or bf16; the rest is refused, not guessed (each needs the
-    stage cut to carry it: a second model, generation, evaluation through the schedule, DoRA's and the experts'
-    adapters)."""
+    map-style, unpacked data, the chunked loss, in fp32 or bf16, eval sets included; the rest is refused, not
+    guessed (each needs the stage cut to carry it: a second model, generation, DoRA's and the experts' adapters)."""
     from disttrain.parallel.pipeline import PIPELINE_CONFIG
 
     d, t, m, lora = recipe.data, recipe.training, recipe.model, recipe.lora
-    evaluates = t.eval_every is not None or any(s.eval_path or s.eval_split or s.eval_fraction
-                                                for s in d.all_sources())
     refused = [(t.objective != "sft", f"training.objective={t.objective}"),
                (lora is not None and (lora.use_dora or lora.use_rslora or bool(lora.target_parameters)
                                       or bool(lora.modules_to_save)),
@@ -201,7 +198,6 @@ def check_pipeline(recipe: Recipe, pp: int) -> None:
                (d.streaming, "data.streaming=true"),
                (d.packing or d.chunk_isolate_documents, "data.packing / data.chunk_isolate_documents (position ids "
                 "per packed example)"),
-               (evaluates, "evaluation (set data.eval_path=null and training.eval_every=null)"),
                (bool(recipe.evaluation.tasks), "evaluation.tasks (lm-eval on checkpoints)"),
                (recipe.logging.samples > 0, "logging.samples > 0 (generation: set logging.samples=0)"),
                (t.loss_impl != "chunked", f"training.loss_impl={t.loss_impl}"),

@@ -78,6 +78,10 @@ class DataParallel:
         (loop.py), or None: the loop's own."""
         return None
 
+    def eval_model(self, run):
+        """What evaluation calls as the model (training/hooks.py): the model itself."""
+        return run.model
+
 
 class Ulysses(DataParallel):
     """The sp processes of a group read the same rows; the feed's collator keeps each process's 1/sp of every
@@ -262,6 +266,20 @@ class Pipeline(DataParallel):
         from disttrain.parallel import pipeline
 
         return pipeline.window_runner(run, self.mesh)
+
+    def eval_loader(self, accelerator, loader):
+        """Whole on every process: a pipeline's stages run the same batches (and every pipeline all of them:
+        gathered for metrics, each row counts on both sides of every ratio alike)."""
+        from disttrain.runtime.backends import ReplicatedLoader
+
+        return ReplicatedLoader(loader, accelerator.device)
+
+    def eval_model(self, run):
+        """A forward through every stage per call (pipeline.EvalForward)."""
+        from disttrain.parallel.pipeline import EvalForward
+
+        data, training = run.recipe.data, run.recipe.training
+        return EvalForward(run.model, self.mesh, training.micro_batch_size, data.max_seq_len, run.accelerator.device)
 
 
 @contextmanager

@@ -18,6 +18,8 @@ clipping takes the total norm over every stage (each stage's squared norm, all-r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -121,6 +123,52 @@ class PipelineRunner:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
+
+
+class EvalForward:
+    """The model as evaluation calls it (training/hooks.evaluate, the loss engine's `model(**inputs)`): each call
+    runs one forward-only pass of the batch through every stage (its own PipelineStage and GPipe schedule of one
+    micro-batch, padded to micro_batch_size x max_seq_len: the schedule sends the shapes it inferred first) and
+    returns, on every stage, what the last stage's lm_head returned for the real rows and positions (the engine's
+    per-token losses: its labels, set on the head, are padded alike for the call)."""
+
+    def __init__(self, model, mesh, rows: int, length: int, device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+        from disttrain.model.stages import stage_of
+
+        self.model, self.place, self.rows, self.length, self.device = model, stage_of(model), rows, length, device
+        self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.group = mesh["pp"].get_group()
+        stage = PipelineStage(self.base, self.place.stage, self.place.stages, device, group=self.group)
+        self.schedule = ScheduleGPipe(stage, n_microbatches=1)  # no loss: forward only
+
+    def eval(self):
+        self.model.eval()
+
+    def train(self):
+        self.model.train()
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, **_inputs):
+        rows, length = input_ids.shape
+        values = torch.zeros(rows, length, device=self.device)
+        if self.place.first:
+            self.schedule.eval(padded([{"input_ids": input_ids, "labels": input_ids}], self.rows, self.length)[0])
+        elif self.place.last:
+            head = self.base.lm_head
+            set_labels = head._disttrain_labels  # the engine's, for this call: padded as the batch is
+            head._disttrain_labels = padded([{"input_ids": set_labels, "labels": set_labels}], self.rows,
+                                            self.length)[1]
+            try:
+                values = self.schedule.eval()[:rows, :length].float()
+            finally:
+                head._disttrain_labels = set_labels
+        else:
+            self.schedule.eval()
+        torch.distributed.all_reduce(values, group=self.group)  # only the last stage's are non-zero
+        return SimpleNamespace(logits=values)
 
 
 def cut(model, place: StagePlace):

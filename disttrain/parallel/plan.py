@@ -109,6 +109,10 @@ class ParallelPlan:
         or None."""
         return self.mode.window_runner(run)
 
+    def eval_model(self, run):
+        """What evaluation calls as the model (a pipeline: a forward through every stage), run: loop.Run."""
+        return self.mode.eval_model(run)
+
     def data_rank(self, accelerator) -> int:
         """Which share of the data this process reads: the processes of a group read the same."""
         return self.mode.data_rank(accelerator.process_index)

@@ -206,7 +206,8 @@ def for_run(run, periodic: Periodic) -> list[Hook]:
     hooks: list[Hook] = [] if periodic.advance is None else [Progress(periodic.advance)]
     hooks.append(MetricsLine(accelerator, run.loss, run.scheduler, recipe.logging.every_steps, recipe.distributed))
     hooks.append(ReplicaCheck(accelerator, run.model, recipe.distributed.check_replicas_every, run.checkpointer))
-    hooks.append(Evaluation(accelerator, run.model, run.loss, periodic.eval_loaders or {}, recipe.training.eval_every))
+    evaluated = run.plan.eval_model(run) if run.plan is not None else run.model
+    hooks.append(Evaluation(accelerator, evaluated, run.loss, periodic.eval_loaders or {}, recipe.training.eval_every))
     if periodic.sampler is not None:
         hooks.append(Samples(periodic.sampler, recipe.training.eval_every))
     if run.checkpointer is not None:
