@@ -84,6 +84,9 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(tiny_model_dir, monk
     recipe = lambda *o: load_recipe(REPO / "recipes/tiny/sft.yaml", ["logging.samples=0", *o])  # noqa: E731
     check_pipeline(recipe(), 2)
     check_pipeline(recipe("lora.r=8", "lora.dropout=0"), 2)
+    assert "training.grad_accum=2 gives the pipeline's 4 stages fewer micro-batches than stages" in said(
+        lambda: check_pipeline(recipe(), 4))
+    check_pipeline(recipe("training.pp_schedule=gpipe"), 4)
     assert "lora.dropout > 0 (each stage's masks, unverified) is not supported under pipeline parallelism" in said(
         lambda: check_pipeline(recipe("lora.r=8"), 2))
     assert "lora.use_dora, use_rslora" in said(lambda: check_pipeline(recipe("lora.r=8", "lora.use_dora=true"), 2))

@@ -207,6 +207,10 @@ def check_pipeline(recipe: Recipe, pp: int) -> None:
                (m.gradient_checkpointing, "model.gradient_checkpointing=true"),
                (t.offload_activations, "training.offload_activations=true"),
                (t.neftune_alpha is not None, "training.neftune_alpha (NEFTune)")]
+    if t.pp_schedule == "1f1b" and t.grad_accum < pp:
+        raise DisttrainError(f"training.grad_accum={t.grad_accum} gives the pipeline's {pp} stages fewer micro-batches "
+                             f"than stages, which 1F1B cannot schedule (and which would leave them idle most of each "
+                             f"step): set training.grad_accum to {pp} or more ({4 * pp}+ keeps the bubble under 20 %)")
     for found, what in refused:
         if found:
             raise DisttrainError(f"{what} is not supported under pipeline parallelism ({PIPELINE_CONFIG}, pp {pp}) "

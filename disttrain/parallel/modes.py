@@ -279,7 +279,8 @@ class Pipeline(DataParallel):
         from disttrain.parallel.pipeline import EvalForward
 
         data, training = run.recipe.data, run.recipe.training
-        return EvalForward(run.model, self.mesh, training.micro_batch_size, data.max_seq_len, run.accelerator.device)
+        return EvalForward(run.model, self.mesh, training.micro_batch_size, data.max_seq_len, run.accelerator.device,
+                           run.accelerator.autocast)
 
 
 @contextmanager

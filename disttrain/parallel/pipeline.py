@@ -124,7 +124,6 @@ class PipelineRunner:
         return total
 
 
-
 class EvalForward:
     """The model as evaluation calls it (training/hooks.evaluate, the loss engine's `model(**inputs)`): each call
     runs one forward-only pass of the batch through every stage (its own PipelineStage and GPipe schedule of one
@@ -132,13 +131,14 @@ class EvalForward:
     returns, on every stage, what the last stage's lm_head returned for the real rows and positions (the engine's
     per-token losses: its labels, set on the head, are padded alike for the call)."""
 
-    def __init__(self, model, mesh, rows: int, length: int, device):
+    def __init__(self, model, mesh, rows: int, length: int, device, autocast):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import ScheduleGPipe
 
         from disttrain.model.stages import stage_of
 
         self.model, self.place, self.rows, self.length, self.device = model, stage_of(model), rows, length, device
+        self.autocast = autocast  # accelerate's, as around the training windows
         self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.group = mesh["pp"].get_group()
         stage = PipelineStage(self.base, self.place.stage, self.place.stages, device, group=self.group)
@@ -152,6 +152,10 @@ class EvalForward:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, **_inputs):
+        with self.autocast():
+            return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor):
         rows, length = input_ids.shape
         values = torch.zeros(rows, length, device=self.device)
         if self.place.first:
