@@ -525,8 +525,8 @@ CELLS: dict[str, dict[str, Cell]] = {
 
 
 # Pipeline parallelism: full fine-tuning proven (stages alone, across a resume; FSDP2 over the stages through make),
-# LoRA, bf16, text chunks and eval sets, the checkpoints' clock; everything else refused by parallel/checks.check_pipeline (or the
-# model check) until a stage carries it
+# LoRA, bf16, text chunks and eval sets, the checkpoints' clock; everything else refused by
+# parallel/checks.check_pipeline (or the model check) until a stage carries it
 PPT = "tests/test_pipeline.py"
 PIPELINE_REFUSAL = "pipeline parallelism (accelerate_configs/fsdp_pp.yaml"
 PIPELINE_CELLS: dict[str, Cell] = {
