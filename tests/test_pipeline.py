@@ -152,26 +152,37 @@ def test_fsdp2_over_pipeline_stages_trains_like_one_process_through_make(runs, t
     _same_weights(tmp_path / "pp4", single)
 
 
+DATA = {  # the matrix's concat_chunk and mixture data, each with a held-out set
+    "text_chunks": {"path": str(REPO / "data/tiny_text.jsonl"), "format": "text", "concat_and_chunk": True,
+                    "max_seq_len": 48, "eval_fraction": 0.1},
+    "mixture": {"sources": [{"path": str(REPO / "data/tiny_alpaca.jsonl"), "format": "alpaca", "weight": 2},
+                            {"path": str(REPO / "data/tiny_chat.jsonl"), "format": "chat", "eval_fraction": 0.1}],
+                "max_seq_len": 48},
+}
+
+
 @pytest.mark.launch
-def test_bf16_stages_on_text_chunks_train_and_evaluate_like_one_process(runs, tiny_model_dir, tmp_path):
-    """bf16 autocast on concatenated text chunks (the matrix's concat_chunk data), a held-out tenth evaluated every
-    3 steps (a forward through both stages per eval batch, rows and lengths unlike the training ones): the stages
-    compute what one process computes, step for step, eval loss included."""
-    data = {"path": str(REPO / "data/tiny_text.jsonl"), "format": "text", "concat_and_chunk": True, "max_seq_len": 48,
-            "eval_fraction": 0.1}
+@pytest.mark.parametrize("data", list(DATA))
+def test_bf16_stages_train_and_evaluate_like_one_process(data, tiny_model_dir, tmp_path):
+    """bf16 autocast on concatenated text chunks, or on a mixture of two sources, a held-out part evaluated every 3
+    steps (a forward through both stages per eval batch, rows and lengths unlike the training ones): the stages
+    compute what one process computes, step for step, eval losses included (a mixture's per source too)."""
     results = {}
     for name, config, processes in (("one", "single_gpu", 1), ("pp", "fsdp_pp", 2)):
-        recipe = matrix_recipe(tmp_path, tiny_model_dir, data, name, 1,
+        recipe = matrix_recipe(tmp_path, tiny_model_dir, DATA[data], name, 1,
                                training={"mixed_precision": "bf16", "max_steps": 6, "pp_schedule": "gpipe",
                                          "eval_every": 3})
         proc = launch(config, recipe, nproc=processes, env=PP_ENV if processes > 1 else None)
         assert_ok(proc)
         records = read_metrics(tmp_path / name)
-        results[name] = (losses(tmp_path / name), {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r})
+        results[name] = (losses(tmp_path / name),
+                         {(r["step"], k): v for r in records for k, v in r.items() if k.startswith("eval_loss")})
     (ours, our_eval), (theirs, their_eval) = results["pp"], results["one"]
-    assert len(ours) == 6 and sorted(our_eval) == [3, 6]
+    assert len(ours) == 6 and sorted({step for step, _ in our_eval}) == [3, 6]
+    assert sorted(our_eval) == sorted(their_eval)
     assert list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-3)
-    assert list(our_eval.values()) == pytest.approx(list(their_eval.values()), rel=1e-3)
+    assert [our_eval[k] for k in sorted(our_eval)] == pytest.approx([their_eval[k] for k in sorted(our_eval)],
+                                                                     rel=1e-3)
 
 
 @pytest.mark.launch

@@ -166,7 +166,8 @@ class EvalForward:
             head._disttrain_labels = padded([{"input_ids": set_labels, "labels": set_labels}], self.rows,
                                             self.length)[1]
             try:
-                values = self.schedule.eval()[:rows, :length].float()
+                # contiguous: a collective reads the tensor's storage as one block (a sliced view is not one)
+                values = self.schedule.eval()[:rows, :length].float().contiguous()
             finally:
                 head._disttrain_labels = set_labels
         else:

@@ -525,7 +525,7 @@ CELLS: dict[str, dict[str, Cell]] = {
 
 
 # Pipeline parallelism: full fine-tuning proven (stages alone, across a resume; FSDP2 over the stages through make),
-# LoRA, bf16, text chunks and eval sets, the checkpoints' clock; everything else refused by
+# LoRA, bf16, text chunks, mixtures and eval sets, the checkpoints' clock; everything else refused by
 # parallel/checks.check_pipeline (or the model check) until a stage carries it
 PPT = "tests/test_pipeline.py"
 PIPELINE_REFUSAL = "pipeline parallelism (accelerate_configs/fsdp_pp.yaml"
@@ -536,8 +536,10 @@ PIPELINE_CELLS: dict[str, Cell] = {
     "lora": Proven((f"{PPT}::test_lora_on_pipeline_stages_trains_like_one_process",),
                    "each stage's adapters, FSDP2 over 2 processes each; merged on export"),
     **_each(("bf16", "concat_chunk", "eval_sets"), lambda c: Proven(
-        (f"{PPT}::test_bf16_stages_on_text_chunks_train_and_evaluate_like_one_process",),
+        (f"{PPT}::test_bf16_stages_train_and_evaluate_like_one_process[text_chunks]",),
         "pp 2 alone, bf16 on text chunks, a held-out tenth evaluated")),
+    "mixture": Proven((f"{PPT}::test_bf16_stages_train_and_evaluate_like_one_process[mixture]",),
+                      "pp 2 alone, bf16, eval per source"),
     "time_checkpoints": Proven((f"{PPT}::test_pipeline_stages_alone_train_like_one_process_and_resume_exactly",),
                                "a checkpoint at every step, each complete; resumed from step 5"),
     "fp8": Refused("training.mixed_precision=fp8 is not supported under fsdp_pp"),
