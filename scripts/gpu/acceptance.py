@@ -30,6 +30,9 @@ Items (--items a,b,c picks some; default all, started in the order below):
                               both, activations all-reduced over NCCL; DCP checkpoint); SKIP below 2 GPUs
     fsdp_tp_2x2               the same on 4 GPUs under accelerate_configs/fsdp_tp.yaml (2 groups of tp 2, FSDP2
                               over them, bf16 all-gathers: transformers' 2-D layout on NCCL); SKIP below 4 GPUs
+    pipeline_pp2              the same on 2 GPUs under accelerate_configs/fsdp_pp.yaml (the layers cut into 2 stages,
+                              1F1B over NCCL's point-to-point sends; DCP checkpoint, sharded export); SKIP below 2
+                              GPUs
     lora_{ddp,fsdp}           LoRA trains, every logged loss finite, the adapter is exported
     lora_tp2                  the same on 2 GPUs under accelerate_configs/tp.yaml (split adapters on NCCL); SKIP below
                               2 GPUs
@@ -168,6 +171,7 @@ ITEMS = [
     Item("context_parallel_cp2", partial(full_finetune, config="fsdp_cp", nproc=2), 35, 150, False),  # SKIP below 2
     Item("tensor_parallel_tp2", partial(full_finetune, config="tp", nproc=2), 35, 150, False),  # SKIP below 2
     Item("fsdp_tp_2x2", partial(full_finetune, config="fsdp_tp", nproc=4), 35, 150, False),  # SKIP below 4 GPUs
+    Item("pipeline_pp2", partial(full_finetune, config="fsdp_pp", nproc=2), 35, 150, False),  # SKIP below 2 GPUs
     Item("lora_ddp", partial(adapter, config="ddp", quantized=False), 15, 60, True),
     Item("lora_fsdp", partial(adapter, config="fsdp", quantized=False), 18, 60, True),
     Item("lora_tp2", partial(adapter, config="tp", quantized=False, nproc=2), 18, 60, False),  # SKIP below 2

@@ -29,8 +29,12 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
     data = {"streaming": True} if streaming else {}
     if config in ("zero3_ulysses", "fsdp_cp"):  # the sequence meshes attend without a mask: no packing
         data["packing"] = False
+    logging, env = {}, None
+    if config == "fsdp_pp":  # one stage per GPU; unpacked rows, no samples (what a pipeline carries today)
+        data["packing"], logging, env = False, {"samples": 0}, {"PARALLELISM_CONFIG_PP_SIZE": str(nproc)}
     a, b = ctx.item_dir / "uninterrupted", ctx.item_dir / "resumed"
-    first, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data), nproc=nproc)
+    first, log_a = train(ctx, "uninterrupted", config, recipe(ctx, a, output=ckpt, data=data, logging=logging),
+                         env=env, nproc=nproc)
     ref = require_finite_losses(a, n, log_a)
     held = [line for line in first.stdout.splitlines() if CYCLES_HELD_GPU_MEMORY in line]
     if held:  # the collector is paused while a run is set up (disttrain/runtime/startup.py): it held GPU memory
@@ -39,8 +43,8 @@ def full_finetune(ctx: Ctx, config: str, streaming: bool = False, nproc: int = 1
         raise Fail(f"the end-of-run samples under {config} did not say '{SAMPLES_WHOLE}' "
                    "(disttrain/training/samples.py: sharded weights gathered once when they fit)", log_a)
     saved = a / "checkpoints" / f"step-{stop:08d}"
-    second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data),
-                          (f"output.resume={saved}",), nproc=nproc)
+    second, log_b = train(ctx, "resumed", config, recipe(ctx, b, output=ckpt, data=data, logging=logging),
+                          (f"output.resume={saved}",), env=env, nproc=nproc)
     if f"resumed from {saved} at step {stop}/{n}" not in second.stdout:
         raise Fail(f"the launch given output.resume={saved} did not say 'resumed from {saved} at step {stop}/{n}'",
                    log_b)
