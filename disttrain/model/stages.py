@@ -105,7 +105,7 @@ def write_stage_adapters(model, directory, is_main: bool) -> None:
 
 
 def write_stage_weights(model, directory) -> dict[str, str]:
-    """Collective over the pipeline's processes: each stage's weights gathered whole over its data-parallel
+    """Collective over every process: each stage's weights gathered whole over its data-parallel
     processes (FSDP2), the first of them writing them as one safetensors file of a sharded HF checkpoint
     (model-0000s-of-0000S.safetensors); returns the index's weight map {name: file} on every process."""
     from safetensors.torch import save_file
@@ -119,4 +119,4 @@ def write_stage_weights(model, directory) -> dict[str, str]:
                   str(directory / name), metadata={"format": "pt"})
     names: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(names, (name, sorted(weights)) if place.data_rank == 0 else None)
-    return {key: file for entry in names if entry is not None for key in entry[1] for file in [entry[0]]}
+    return {key: entry[0] for entry in names if entry is not None for key in entry[1]}

@@ -257,8 +257,7 @@ class Pipeline(DataParallel):
         from disttrain.parallel import pipeline
 
         self.mesh = init_device_mesh(accelerator.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
-        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-        place = self.place(accelerator.process_index, config.num_hidden_layers)
+        place = self.place(accelerator.process_index, pipeline.causal_lm(model).config.num_hidden_layers)
         return _prepared_as_it_is(accelerator, pipeline.prepare(model, optimizer, place, self.mesh,
                                                                 accelerator.device))
 

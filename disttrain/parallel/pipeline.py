@@ -139,7 +139,7 @@ class EvalForward:
 
         self.model, self.place, self.rows, self.length, self.device = model, stage_of(model), rows, length, device
         self.autocast = autocast  # accelerate's, as around the training windows
-        self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.base = causal_lm(model)
         self.group = mesh["pp"].get_group()
         stage = PipelineStage(self.base, self.place.stage, self.place.stages, device, group=self.group)
         self.schedule = ScheduleGPipe(stage, n_microbatches=1)  # no loss: forward only
@@ -176,6 +176,11 @@ class EvalForward:
         return SimpleNamespace(logits=values)
 
 
+def causal_lm(model):
+    """The causal LM itself: peft's wrapper's base (the stage module a schedule runs), else the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cut(model, place: StagePlace):
     """The model cut to its stage (model/stages.py), the last stage's loss the chunked head's summed token loss."""
     from disttrain.model.stages import cut_to_stage
@@ -190,7 +195,7 @@ def prepare(model, optimizer, place: StagePlace, mesh, device):
     optimizer made before the cut pointed at the stage's parameters (as accelerate re-points an optimizer at
     FSDP2's); returns the model to prepare (the wrapper, for LoRA)."""
     names = {id(param): name for name, param in model.named_parameters()}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     cut(base, place).to(device)
     if place.data_ranks > 1:
         from torch.distributed.fsdp import fully_shard
@@ -211,7 +216,7 @@ def window_runner(run, mesh):
     from disttrain.model.stages import stage_of
 
     cfg, model = run.recipe.training, run.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     runner = PipelineRunner(base, stage_of(model), mesh, cfg.pp_schedule, cfg.grad_accum, cfg.micro_batch_size,
                             run.recipe.data.max_seq_len, run.accelerator.device)
     optimizer = run.trainable.optimizer
