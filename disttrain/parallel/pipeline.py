@@ -57,19 +57,14 @@ def check_model(config, name: str, pp: int, router_loss: bool = False) -> None:
                              f"(make train-fsdp-pp PP=N with N dividing {layers})")
 
 
-def padded(micro_batches: list[dict], rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, labels) of the window's micro-batches, each padded to rows x length (right: a causal model's
-    real tokens never attend to what follows them) and stacked, as the schedule splits them again."""
-    ids, labels = [], []
-    for batch in micro_batches:
-        got_rows, got_length = batch["input_ids"].shape
-        if got_length > length:
-            raise DisttrainError(f"a micro-batch of {got_length} tokens is longer than data.max_seq_len={length}, "
-                                 "which pipeline parallelism pads every micro-batch to")
-        pad = (0, length - got_length, 0, rows - got_rows)
-        ids.append(nn.functional.pad(batch["input_ids"], pad, value=0))
-        labels.append(nn.functional.pad(batch["labels"], pad, value=IGNORE_INDEX))
-    return torch.cat(ids), torch.cat(labels)
+def padded(tensor: torch.Tensor, rows: int, length: int, value: int) -> torch.Tensor:
+    """A [rows', length'] batch tensor padded to rows x length with `value` (right: a causal model's real tokens
+    never attend to what follows them), the shape the schedule inferred on its first step and sends ever since."""
+    got_rows, got_length = tensor.shape
+    if got_length > length:
+        raise DisttrainError(f"a micro-batch of {got_length} tokens is longer than data.max_seq_len={length}, which "
+                             "pipeline parallelism pads every micro-batch to")
+    return nn.functional.pad(tensor, (0, length - got_length, 0, rows - got_rows), value=value)
 
 
 class PipelineRunner:
@@ -95,7 +90,9 @@ class PipelineRunner:
     def run(self, micro_batches: list[dict], scale: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the window (`scale`: what each micro-batch's summed loss is divided by);
         returns each micro-batch's summed token loss, the same on every stage (one all-reduce over the pipeline)."""
-        ids, labels = padded(micro_batches, self.rows, self.length)
+        # stacked, as the schedule splits them again
+        ids = torch.cat([padded(b["input_ids"], self.rows, self.length, 0) for b in micro_batches])
+        labels = torch.cat([padded(b["labels"], self.rows, self.length, IGNORE_INDEX) for b in micro_batches])
         self.scale, losses = scale, []
         if self.place.first:
             self.schedule.step(ids.to(self.device))
@@ -159,12 +156,11 @@ class EvalForward:
         rows, length = input_ids.shape
         values = torch.zeros(rows, length, device=self.device)
         if self.place.first:
-            self.schedule.eval(padded([{"input_ids": input_ids, "labels": input_ids}], self.rows, self.length)[0])
+            self.schedule.eval(padded(input_ids, self.rows, self.length, 0))
         elif self.place.last:
             head = self.base.lm_head
             set_labels = head._disttrain_labels  # the engine's, for this call: padded as the batch is
-            head._disttrain_labels = padded([{"input_ids": set_labels, "labels": set_labels}], self.rows,
-                                            self.length)[1]
+            head._disttrain_labels = padded(set_labels, self.rows, self.length, IGNORE_INDEX)
             try:
                 # contiguous: a collective reads the tensor's storage as one block (a sliced view is not one)
                 values = self.schedule.eval()[:rows, :length].float().contiguous()
