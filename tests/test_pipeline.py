@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, launch
+from conftest import REPO, assert_ok, kill_launch, launch
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.model import stages as stage_cut
@@ -226,3 +226,30 @@ def test_a_mixture_of_experts_on_pipeline_stages_trains_like_one_process(runs, t
     assert list(norms.values()) == pytest.approx([r["grad_norm"] for r in read_metrics(single) if "grad_norm" in r],
                                                  rel=RTOL)
     _same_weights(out, single)
+
+
+@pytest.mark.launch
+def test_sigterm_to_the_launcher_checkpoints_every_stage_and_the_same_command_resumes(runs, tiny_model_dir, tmp_path):
+    """`make train-fsdp-pp GPUS=2 PP=2`, its launcher sent SIGTERM (as a cluster's entry forwards kubelet's or
+    SLURM's): both stages finish the step (the stop flag rides the step's all-reduce, which the stages share),
+    write one complete checkpoint and exit; the same launch resumes from it."""
+    from test_resume import signal_the_launcher_after, start_make
+
+    recipe = _pipeline_run(tmp_path, tiny_model_dir, runs, "pp", 2, 1, "1f1b", training={"max_steps": 400},
+                           output={"checkpoint_every": None})
+    job = start_make("train-fsdp-pp", recipe, tmp_path / "pp.log", None, "GPUS=2", "PP=2")
+    try:
+        signal_the_launcher_after(job, tmp_path / "pp" / "metrics.jsonl", lines=5)
+        job.wait(timeout=180)
+    finally:
+        kill_launch(job)
+    out = (tmp_path / "pp.log").read_text()
+    stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
+    assert stopped, out[-3000:]
+    step = int(stopped[0].split()[3].split("/")[0])
+    checkpoint = tmp_path / "pp" / "checkpoints" / f"step-{step:08d}"
+    assert 5 <= step < 400 and (checkpoint / "manifest.json").is_file(), out[-3000:]
+    assert len(list((checkpoint / "tp_state").glob("*.distcp"))) == 2  # both stages' shards
+    resumed = launch("fsdp_pp", recipe, nproc=2, env=PP_ENV, overrides=[f"training.stop_at_step={step + 2}"])
+    assert_ok(resumed)
+    assert f"step-{step:08d} at step {step}/400" in resumed.stdout

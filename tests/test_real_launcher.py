@@ -3,7 +3,7 @@ once through `accelerate launch` / `make train-*` as a user types it. The config
 only warm (`make train`'s single process, fsdp_offload, zero1, zero2, zero3_offload) run the strategy matrix's
 recipe here and log the losses of the matrix's warm run of the same config, step for step (the other configs go
 through `make train-*` in test_hsdp, test_ulysses, test_context_parallel, test_tensor_parallel, test_fsdp_tp,
-test_expert_parallel, and
+test_expert_parallel, test_pipeline, and
 DDP, FSDP2 and ZeRO-3 below). An error raised after the process group exists (the loss self-check failing on
 purpose: tests/scripts/faulty_train.py) leaves a real interpreter's launch promptly, with its one line, under
 DDP, FSDP2 and ZeRO-3: the warm workers always leave through os._exit, so only this shows the teardown."""
