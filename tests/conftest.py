@@ -290,4 +290,14 @@ def kill_launch(launcher: subprocess.Popen) -> None:
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                                  f"\n--- stderr\n{proc.stderr[-6000:]}")
+                                  f"\n--- stderr\n{proc.stderr[-6000:]}{native_crash(proc.stderr)}")
+
+
+def native_crash(stderr: str) -> str:
+    """A rank's crash in native code (faulthandler's "Fatal Python error: Segmentation fault" and the Python stack
+    of every thread), which the stderr tail loses behind the extension-module list that follows it."""
+    start = stderr.find("Fatal Python error")
+    if start < 0:
+        return ""
+    stacks = stderr[start:].split("\nExtension modules:")[0]
+    return f"\n--- a rank's native crash (faulthandler)\n{stacks[:6000]}"

@@ -34,7 +34,7 @@ LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_pro
 STRATEGIES = ["ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload"]
 # the one run that also generates its end-of-run sample (greedy, every rank in step under ZeRO-3's gathered
 # weights: test_strategies asserts it); the others skip it (tests/conftest.base_recipe)
-SAMPLED = {"zero3": {"samples": 1}}
+SAMPLED = {"zero3": {"samples": 1, "sample_tokens": 8}}  # 8 greedy tokens: a forward each
 # the one run that scores its checkpoints with lm-eval while training (evaluation: section; test_evaluation reads
 # the numbers, test_strategies proves that the run still equals one process: the scoring leaves training alone)
 EVAL_TASK, EVAL_LIMIT = "disttrain_tiny_choice", 10

@@ -34,7 +34,7 @@ def cp_run(runs, tiny_model_dir, lora: bool):
         rows = str(small_data(runs))  # evaluated every 5 steps on its own 35 rows, as tp_run's reference is
         recipe = matrix_recipe(folder, tiny_model_dir, {"path": rows, "format": "alpaca", "eval_path": rows,
                                                         "max_seq_len": 48}, "run", processes=1, lora=lora,
-                               training={"eval_every": 5}, logging={"samples": 0 if lora else 1})
+                               training={"eval_every": 5}, logging={"samples": 0 if lora else 1, "sample_tokens": 8})
         return folder / "run", make_train("train-fsdp-cp", recipe, "GPUS=2", "CP=2", env=RING_ON_CPU)
     return runs.get(f"context-parallel-{'lora' if lora else 'full'}", make)
 

@@ -30,7 +30,7 @@ def fsdp_tp_run(runs, tiny_model_dir, config: str = "fsdp_tp", *variables: str):
         data = {"path": rows, "format": "alpaca", "eval_path": rows, "max_seq_len": 48}
         processes = 1 if config == "single_gpu" else 2  # data ranks
         recipe = matrix_recipe(folder, tiny_model_dir, data, "run", processes=processes,
-                               training={"eval_every": 5}, logging={"samples": 1})
+                               training={"eval_every": 5}, logging={"samples": 1, "sample_tokens": 8})
         if config == "single_gpu":
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)

@@ -29,7 +29,8 @@ def tp_run(runs, tiny_model_dir, loss_impl: str = "chunked", config: str = "tp",
         rows = str(small_data(runs))
         data = {"path": rows, "format": "alpaca", "eval_path": rows, "max_seq_len": 48}
         recipe = matrix_recipe(folder, tiny_model_dir, data, "run", processes=1, lora=lora,
-                               training={"loss_impl": loss_impl, "eval_every": 5}, logging={"samples": 1})
+                               training={"loss_impl": loss_impl, "eval_every": 5},
+                               logging={"samples": 1, "sample_tokens": 8})
         if config == "single_gpu":
             proc = launch(config, recipe, nproc=1)
             assert_ok(proc)

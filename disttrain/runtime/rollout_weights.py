@@ -155,7 +155,11 @@ def _fsdp2_whole(module):
         saved.append((state, state._auto_reshard_after_forward,
                       [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
         unit.set_reshard_after_forward(False, recurse=False)
-    for handle in [unit.unshard(async_op=True) for unit in units]:  # the all-gathers in flight together
+    # on GPUs the all-gathers go in flight together (NCCL); on CPU processes one at a time, as FSDP2's own
+    # forward issues them there: gloo would run several on one connection from its two work threads at once,
+    # a path nothing else takes (a rank died in native code sampling under FSDP2 + TP once in a CI run)
+    together = next((p.device.type for p in module.parameters()), "cpu") != "cpu"
+    for handle in [unit.unshard(async_op=together) for unit in units]:
         if handle is not None:
             handle.wait()
     try:

@@ -27,6 +27,7 @@ its stdin/stdout/stderr attached (SCM_RIGHTS); the server forks a launch process
 from __future__ import annotations
 
 import json
+import functools
 import os
 import select
 import signal
@@ -85,7 +86,22 @@ def preload() -> None:
                  "disttrain.objectives.agent", "trl.trainer.utils", "trl.chat_template_utils"):
         __import__(name)
     transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018  (resolve the lazy modules)
+    # what each process would otherwise build again after the fork (found by profiling the workers of matrix
+    # runs; ~0.09 CPU-s a process timed alone): transformers' checkpoint conversion table, built at the first
+    # from_pretrained and kept in a module global (about a thousand regular expressions compiled); and
+    # accelerate's torchao check, which FSDP2's prepare asks per parameter, each time parsing the package metadata
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("llama")
+    import accelerate.utils.imports as accelerate_imports
+    import accelerate.utils.modeling as accelerate_modeling
+
+    accelerate_modeling.is_torchao_available = functools.cache(accelerate_imports.is_torchao_available)
     backends._import_deepspeed_without_mlflow([])  # as a DeepSpeed launch imports it
+    # modules the workers imported after the fork (sampled over the same runs): datasets' load_dataset patches
+    # scipy.io for streaming, ZeRO's optimizer check imports Muon, lm-eval's task index for evaluation.tasks
+    for name in ("scipy.io", "deepspeed.runtime.zero.muon.muon_optimizer", "lm_eval.tasks"):
+        __import__(name)
     backends.cpu_info_once()  # as a DeepSpeed launch does, and asked once here: no worker starts py-cpuinfo's
     if "cpuinfo" in sys.modules:  # processes (DeepSpeed installed)
         sys.modules["cpuinfo"].get_cpu_info()
