@@ -151,7 +151,7 @@ FEATURES = (
     Feature("scoring", "evaluation during training (lm-eval)",
             ("output.checkpoint_every=4", "evaluation.tasks=[disttrain_tiny_choice]", "evaluation.every_steps=4",
              "evaluation.limit=5")),
-    Feature("samples", "end-of-run samples", ("logging.samples=1",)),
+    Feature("samples", "end-of-run samples", ("logging.samples=1", "logging.sample_tokens=8")),
     Feature("compile", "training.compile (regional)", ("training.compile=true",)),
     Feature("grad_ckpt", "gradient checkpointing", ("model.gradient_checkpointing=true",)),
     Feature("router_loss", "MoE router loss", ("model.router_aux_loss_coef=0.01",), moe=True),
