@@ -155,16 +155,7 @@ $(INSTALLED): pyproject.toml
 	@if ls $(VENV)/.installed-* >/dev/null 2>&1; then echo "setup: installing $(INSTALL_ARGS) (.venv was installed with: $$(cat $(VENV)/.installed-* | head -1))"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	@# DeepSpeed first when the extras hold it, and its CPU Adam (the offload configs' optimizer, otherwise compiled
-	@# at its first use: ~75 CPU-s) compiled while pip installs the rest, on the core pip leaves idle
-	@spec="$$($(PY) scripts/cpu_adam.py --spec '$(EXTRAS)')"; build=; \
-	if [ -n "$$spec" ]; then $(PY) -m pip install -q "$$spec" || exit 1; \
-		echo "setup: compiling DeepSpeed's CPU Adam beside pip (log: $(VENV)/cpu_adam.log)"; \
-		$(PY) scripts/cpu_adam.py --build > $(VENV)/cpu_adam.log 2>&1 & build=$$!; fi; \
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"; rc=$$?; \
-	if [ -n "$$build" ] && ! wait $$build; then \
-		echo "setup: DeepSpeed's CPU Adam not compiled now, its first use will ($(VENV)/cpu_adam.log)"; fi; \
-	exit $$rc
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# the editable package's bytecode, once: with PYTHONDONTWRITEBYTECODE=1 (CI) every launched process would
 	@# otherwise compile disttrain/ from source again (~0.1 s each, ~190 launches x 3 processes in `make test`)
 	$(PY) -m compileall -q disttrain
