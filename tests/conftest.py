@@ -220,6 +220,16 @@ def base_recipe(model_dir: Path, out_dir: Path, **sections) -> dict:
     return recipe
 
 
+def held_out(folder: Path, rows: int = 16) -> Path:
+    """The first `rows` of data/tiny_alpaca_eval.jsonl (100 rows), written under the file's own name (the eval set's
+    name in the logged keys): a launch's evaluations cost a forward per micro-batch of held-out rows, and what an
+    evaluation proves holds on 16 of them as on 100."""
+    path = folder / "tiny_alpaca_eval.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((REPO / "data/tiny_alpaca_eval.jsonl").read_text().splitlines(True)[:rows]))
+    return path
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, held_out, launch, write_recipe
 from disttrain.model import hub
 from disttrain.recipe.compat import check_trackers
 from disttrain.recipe.schema import LoraSection, load_recipe
@@ -95,7 +95,7 @@ def test_dora_rslora_neftune_and_mlflow_under_fsdp(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.yaml", base_recipe(
         tiny_model_dir, out, training={"max_steps": 4, "neftune_alpha": 5.0, "eval_every": 2},
         lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_dora": True, "use_rslora": True},
-        data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
+        data={"eval_path": str(held_out(tmp_path))},
         logging={"report_to": ["mlflow"], "every_steps": 1, "run_name": "knobs", "samples": 2}))
     store = tmp_path / "mlruns"
     # mlflow >= 3 keeps a local file store only on request (its default is an sqlite database)

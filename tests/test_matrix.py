@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, held_out, launch, write_recipe
 from disttrain.errors import DisttrainError
 from disttrain.metrics.log import read_metrics
 from disttrain.parallel.checks import check_before_launch
@@ -169,9 +169,7 @@ EVAL_ROWS = 8  # the held-out rows every run evaluates (the first of data/tiny_a
 
 def eval_rows(folder: Path) -> Path:
     """The first EVAL_ROWS held-out rows, under the file's own name (the eval set's name in the logged keys)."""
-    path = folder / "tiny_alpaca_eval.jsonl"
-    path.write_text("".join((REPO / "data/tiny_alpaca_eval.jsonl").read_text().splitlines(True)[:EVAL_ROWS]))
-    return path
+    return held_out(folder, EVAL_ROWS)
 
 
 def run_recipe(folder: Path, model_dir: Path, kind: str, features, data_ranks: int, name: str,

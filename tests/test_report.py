@@ -11,7 +11,7 @@ from disttrain.errors import DisttrainError
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, assert_ok, base_recipe, free_port, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, held_out, free_port, launch, write_recipe
 from disttrain.metrics.log import read_metrics
 from disttrain.report import summary_row, summary_table, write_report
 from disttrain.training.samples import sample_prompts
@@ -128,7 +128,7 @@ def test_strategies_one_after_another_with_the_defaults(tmp_path, tiny_model_dir
     {processes}), both finish with a model card and plots; the DDP run launched again says it is complete."""
     tree = base_recipe(tiny_model_dir, tmp_path / "runs" / "{strategy}-{processes}",
                        training={"max_steps": 4, "eval_every": 2}, logging={"report_to": ["tensorboard"], "samples": 2},
-                       data={"eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")}, output={"report": True})
+                       data={"eval_path": str(held_out(tmp_path))}, output={"report": True})
     recipe = write_recipe(tmp_path / "r.yaml", tree)
 
     def make(target):

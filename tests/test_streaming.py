@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, base_recipe, launch, write_recipe
+from conftest import REPO, assert_ok, base_recipe, held_out, launch, write_recipe
 from disttrain.training import checkpoint
 from disttrain.recipe.schema import DataSection, load_recipe
 from disttrain.data import Collator, StreamLoader, streaming, stream_rows
@@ -128,7 +128,7 @@ def test_a_streaming_run_resumes_like_uninterrupted(strategy, tmp_path, tiny_mod
         return write_recipe(tmp_path / f"{name}.yaml", base_recipe(
             tiny_model_dir, tmp_path / name,
             data={"path": str(shards / "part-*.jsonl"), "streaming": True, "packing": True,
-                  "eval_path": str(REPO / "data/tiny_alpaca_eval.jsonl")},
+                  "eval_path": str(held_out(tmp_path))},
             training={"max_steps": STEPS, "micro_batch_size": 2, "eval_every": 4},
             output={"checkpoint_every": SAVED, "keep_last": 3, "save_final_model": False}))
 
