@@ -99,3 +99,26 @@ def test_import_time_variables_a_worker_applies_itself_do_what_a_new_interpreter
         "datasets_cache": str(tmp_path / "cache"), "downloads": str(tmp_path / "cache" / "downloads"),
         "path1": str(site), "sitecustomized": facts["real"]["argv"][0], "recompiles_logged": True}
     assert facts["real"]["argv"][0].endswith("dump_env.py")  # the sitecustomize saw the script's argv
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range_where_outgoing_connections_take_theirs(monkeypatch):
+    """A launch's rendezvous port is drawn below the ephemeral range (gloo's connections take their local ports
+    inside it: one once took a test launch's port first), free when drawn, not from the seeded module RNG (two
+    test processes seeded alike would draw alike); with no room below the range, the kernel's choice."""
+    import random
+    import socket
+
+    from disttrain.runtime import launcher
+
+    start = launcher._ephemeral_start()
+    random.seed(7)
+    first = [launcher.free_port() for _ in range(8)]
+    random.seed(7)
+    assert [launcher.free_port() for _ in range(8)] != first
+    if start - launcher.LOWEST_PORT > 1000:
+        assert all(launcher.LOWEST_PORT <= port < start for port in first)
+    for port in first:
+        with socket.socket() as s:
+            s.bind(("", port))  # free
+    monkeypatch.setattr(launcher, "_ephemeral_start", lambda: launcher.LOWEST_PORT + 10)
+    assert launcher.free_port() >= start  # bind(0): inside the real range

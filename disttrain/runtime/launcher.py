@@ -4,6 +4,7 @@ the output kept in a log file next to the run."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -21,10 +22,39 @@ def cpu_ring_env() -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in (ring, os.environ.get("PYTHONPATH")) if p)}
 
 
+LOWEST_PORT = 20000  # the free ports handed out lie between this and the kernel's ephemeral range
+_DRAW = random.SystemRandom()  # not the seeded module RNG: two test processes that seeded alike would draw alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, below the kernel's ephemeral range. A port from bind(0) lies inside that range,
+    where the kernel also picks the local ports of outgoing connections (a gloo mesh opens one per pair of ranks),
+    so one of them could take it before the rendezvous binds it (seen once in the test suite: EADDRINUSE)."""
+    low = _ephemeral_start()
+    for _ in range(64) if low - LOWEST_PORT > 1000 else ():
+        port = _DRAW.randrange(LOWEST_PORT, low)
+        if _bindable(port):
+            return port
+    with socket.socket() as s:  # a narrow or unknown range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default start
+
+
+def _bindable(port: int) -> bool:
+    """Free on every interface, as the rendezvous store binds it."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def launch_command(config: str | Path, nproc: int, script: str | Path, *args: str,
