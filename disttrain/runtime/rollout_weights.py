@@ -155,10 +155,10 @@ def _fsdp2_whole(module):
         saved.append((state, state._auto_reshard_after_forward,
                       [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
         unit.set_reshard_after_forward(False, recurse=False)
-    # on GPUs the all-gathers go in flight together (NCCL); on CPU processes one at a time, as FSDP2's own
+    # on GPUs (NCCL) the all-gathers go in flight together; on CPU processes (gloo) one at a time, as FSDP2's own
     # forward issues them there: gloo would run several on one connection from its two work threads at once,
     # a path nothing else takes (a rank died in native code sampling under FSDP2 + TP once in a CI run)
-    together = next((p.device.type for p in module.parameters()), "cpu") != "cpu"
+    together = all(group.device.type != "cpu" for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups)
     for handle in [unit.unshard(async_op=together) for unit in units]:
         if handle is not None:
             handle.wait()
